@@ -1,0 +1,1 @@
+"""The bus: Redis streams, message models and codec, ZeroMQ RPC, a local redis-server."""

@@ -1,0 +1,41 @@
+"""The error hierarchy shared by every worker.
+
+Catch at one boundary per message: retry (RetryableError), dead-letter (DecodeError and
+anything that can never succeed), crash on everything else so the supervisor restarts the worker.
+"""
+
+
+class RlbusError(Exception):
+    """Base of every error rlbus raises on purpose."""
+
+
+class ConfigError(RlbusError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+class DecodeError(RlbusError):
+    """A stream entry or RPC frame could not be decoded (unknown schema version, missing field, garbage)."""
+
+
+class RetryableError(RlbusError):
+    """A failure worth retrying after `delay_s` seconds (up to the caller's limit)."""
+
+    def __init__(self, message: str, delay_s: float = 1.0):
+        super().__init__(message)
+        self.delay_s = delay_s
+
+
+class RpcError(RlbusError):
+    """The remote side of a ZeroMQ RPC raised; the message carries its error type and text."""
+
+
+class RpcTimeoutError(RpcError):
+    """A ZeroMQ RPC call got no reply within its timeout; the message names the address."""
+
+
+class RedisNotInstalledError(RlbusError):
+    """No redis-server binary on PATH."""
+
+
+class CollapseError(RlbusError):
+    """Too many consecutive zero-variance groups: the run stops (ART's collapse failsafe)."""

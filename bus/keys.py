@@ -1,0 +1,84 @@
+"""Every Redis key of a run, built in one place.
+
+All keys share the prefix ``rlbus:{RUN}:``; the braces are literal (a Redis Cluster hash tag),
+so a run's multi-key transactions stay on one slot. No other module spells a key.
+"""
+
+from dataclasses import dataclass
+
+STREAM_FAMILIES = ("tasks", "rollouts", "filtered", "batches", "weights", "policy", "metrics", "dead")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key family of one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        if not self.run or any(c in self.run for c in "{}: \t\n*?[]"):
+            raise ValueError(
+                f"run name {self.run!r} is not usable in a Redis key; use letters, digits, '-', '_' or '.'"
+            )
+
+    @property
+    def prefix(self) -> str:
+        """``rlbus:{RUN}:``, the prefix of every key of this run."""
+        return f"rlbus:{{{self.run}}}:"
+
+    def tasks(self, env: str) -> str:
+        """Stream feeder → rollout workers (group ``rollout``)."""
+        return f"{self.prefix}tasks:{env}"
+
+    def rollouts(self, env: str) -> str:
+        """Stream rollout → filter (group ``filter``)."""
+        return f"{self.prefix}rollouts:{env}"
+
+    def filtered(self, env: str) -> str:
+        """Stream filter → packer (group ``packer``)."""
+        return f"{self.prefix}filtered:{env}"
+
+    def batches(self, step: int) -> str:
+        """Stream packer → trainer: the micro-batches of one step."""
+        return f"{self.prefix}batches:{step}"
+
+    def weights(self) -> str:
+        """Stream trainer → inference servers (fan-out): weight update events."""
+        return f"{self.prefix}weights"
+
+    def policy(self) -> str:
+        """Stream of policy versions: ``trained`` by the trainer, ``served`` by inference servers."""
+        return f"{self.prefix}policy"
+
+    def metrics(self) -> str:
+        """Stream every worker → status display and metrics writers."""
+        return f"{self.prefix}metrics"
+
+    def dead(self) -> str:
+        """Stream of dead letters: entries that failed too often or could not be decoded."""
+        return f"{self.prefix}dead"
+
+    def state(self) -> str:
+        """Hash of small counters and cursors (feeder cursor, in-flight count, last packed step)."""
+        return f"{self.prefix}state"
+
+    def pattern(self) -> str:
+        """A SCAN pattern matching every key of this run."""
+        return f"rlbus:{{{self.run}}}:*"
+
+    def family(self, key: str) -> str:
+        """The family name (``tasks``, ``batches``, …) of one of this run's keys."""
+        if not key.startswith(self.prefix):
+            raise ValueError(f"{key!r} is not a key of run {self.run!r}")
+        return key[len(self.prefix) :].split(":", 1)[0]
+
+    def suffix(self, key: str) -> str:
+        """What follows the family name (the env or the step), or '' for run-wide keys."""
+        rest = key[len(self.prefix) :].split(":", 1)
+        return rest[1] if len(rest) == 2 else ""
+
+
+# Consumer group names, one per consuming role.
+GROUP_ROLLOUT = "rollout"
+GROUP_FILTER = "filter"
+GROUP_PACKER = "packer"
