@@ -15,13 +15,26 @@ from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 from bus.errors import DecodeError
 
 
+_WIRE_NAMES: dict[np.dtype, str] = {}
+"""dtype → its wire name, for the little-endian/native dtypes seen so far (to_wire is on the hot path)."""
+
+
 def to_wire(array: np.ndarray) -> list:
     """The wire triple of an array: ``[dtype str, shape, little-endian bytes]``."""
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    if not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array)
-    return [array.dtype.str, list(array.shape), array.data]
+    name = _WIRE_NAMES.get(array.dtype)
+    if name is None:
+        dtype = array.dtype
+        if dtype.hasobject:
+            raise TypeError(f"arrays of dtype {dtype} cannot go on the wire; use numeric or bool arrays")
+        if dtype.byteorder == ">":
+            array = array.astype(dtype.newbyteorder("<"))
+        else:
+            _WIRE_NAMES[dtype] = dtype.str
+        name = array.dtype.str
+    data = array.data
+    if not data.c_contiguous:
+        data = np.ascontiguousarray(array).data
+    return [name, array.shape, data]
 
 
 def from_wire(value: list | tuple) -> np.ndarray:
@@ -64,7 +77,17 @@ def unpackb(data: bytes) -> Any:
 
 
 def _coercer(dtype: np.dtype):
+    wire_str = dtype.str
+
     def coerce(value: Any) -> np.ndarray:
+        # Hot path: a 1-D wire triple of exactly this dtype, as msgpack decodes it.
+        if type(value) is list and len(value) == 3 and value[0] == wire_str and type(value[2]) is bytes:
+            shape = value[1]
+            if type(shape) is list and len(shape) == 1:
+                array = np.frombuffer(value[2], dtype=dtype)
+                if len(array) != shape[0]:
+                    raise ValueError(f"wire array declares shape {shape} but holds {len(array)} values")
+                return array
         if isinstance(value, np.ndarray):
             array = value if value.dtype == dtype else value.astype(dtype)
         elif _is_wire(value):

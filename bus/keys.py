@@ -82,3 +82,4 @@ class Keys:
 GROUP_ROLLOUT = "rollout"
 GROUP_FILTER = "filter"
 GROUP_PACKER = "packer"
+GROUP_EVAL = "eval"

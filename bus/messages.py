@@ -79,9 +79,9 @@ def _decode(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
 
 
 def _get(fields: Mapping[Any, Any], name: str) -> Any:
-    value = fields.get(name)
+    value = fields.get(name.encode())
     if value is None:
-        value = fields.get(name.encode())
+        value = fields.get(name)
     if value is None:
         raise DecodeError(f"entry has no {name!r} field (fields: {sorted(_text(k) for k in fields)})")
     return value
@@ -97,11 +97,17 @@ def _text(value: Any) -> str:
 
 
 def _header_text(value: Any) -> str:
-    if isinstance(value, float):
+    kind = type(value)
+    if kind is str:
+        return value
+    if kind is float:
         return f"{value:.6g}"
-    if isinstance(value, bool):
+    if kind is bool:
         return "1" if value else "0"
     return str(value)
+
+
+_PASS_THROUGH = frozenset({str, int, float, bool, type(None), dict, bytes})
 
 
 def _plain(model: BaseModel) -> dict[str, Any]:
@@ -109,16 +115,17 @@ def _plain(model: BaseModel) -> dict[str, Any]:
 
     Hot path: fields hold scalars, dicts of scalars, arrays, models or lists of models.
     """
-    out: dict[str, Any] = {}
-    for name, value in model.__dict__.items():
-        if isinstance(value, np.ndarray):
+    out = dict(model.__dict__)
+    for name, value in out.items():
+        kind = type(value)
+        if kind in _PASS_THROUGH:
+            continue
+        if kind is np.ndarray:
             out[name] = to_wire(value)
         elif isinstance(value, BaseModel):
             out[name] = _plain(value)
         elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
             out[name] = [_plain(v) for v in value]
-        else:
-            out[name] = value
     return out
 
 

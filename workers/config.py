@@ -112,7 +112,7 @@ class EvalSamplingConfig(SamplingConfig):
 
 class EnvConfig(Section):
     id: str
-    """Built-in env name (``reverse_text``, ``sort_digits``, ``guess_number``) or import path ``package.module:factory``."""
+    """Built-in env name (``reverse_text``, ``echo_chars``, ``guess_number``) or import path ``package.module:factory``."""
 
     name: str | None = None
     """Display name in keys, logs and metrics; defaults to the id. Unique per run; ``all`` is reserved."""
@@ -346,7 +346,7 @@ class PpoLossConfig(Section):
 class CustomLossConfig(Section):
     type: Literal["custom"] = "custom"
     import_path: str
-    """``package.module:function`` with the signature of trainer.losses.rl_loss."""
+    """``package.module:function(inputs: LossInputs, **kwargs) -> LossTerms`` (see trainer.losses.dppo_loss)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the function."""
 
@@ -407,6 +407,9 @@ class TrainerConfig(Section):
 
     keep_weights: int = Field(3, ge=1)
     """Weight directories kept (a directory still served is never deleted)."""
+
+    broadcast_timeout_s: float = Field(300.0, gt=0)
+    """nccl/gloo transport: how long the trainer waits for every inference server to join a weight broadcast."""
 
     num_threads: int | None = Field(None, ge=1)
     """torch CPU threads; None = the share ``rlbus run`` assigns (or torch's default)."""

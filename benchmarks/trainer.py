@@ -1,0 +1,197 @@
+"""Trainer step vs a bare PyTorch loop: tokens/s and peak memory, same model and tokens, same run.
+
+    python benchmarks/trainer.py                                   # CPU, tiny preset
+    python benchmarks/trainer.py --device cuda --preset qwen3-0.6b [--compile]   # 8 × 2048 tokens, bf16
+
+Bare loop: ``model(input_ids[B, L]).logits.float()`` → log_softmax → gather → policy-gradient loss
+→ backward → AdamW (full-vocab fp32 logits). Trainer: :func:`trainer.step.train_step` on the same
+tokens as B micro-batches of L tokens (chunked logprobs, dppo loss, clipping, metrics).
+Last line: ``trainer/bare ratio: X`` (tokens/s).
+"""
+
+import argparse
+import gc
+import time
+from types import SimpleNamespace
+
+from presets import PRESETS, build, use_repo_imports
+
+use_repo_imports()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from trainer.dist import DistContext  # noqa: E402
+from trainer.logprobs import PolicyModel  # noqa: E402
+from trainer.losses import dppo_loss  # noqa: E402
+from trainer.model import count_parameters  # noqa: E402
+from trainer.optim import build_optimizer, build_scheduler  # noqa: E402
+from trainer.step import Batch, peak_flops, train_step  # noqa: E402
+
+# Only torch/transformers/safetensors are needed (no pydantic/msgpack): the GPU box has nothing else.
+TRAINER_CFG = SimpleNamespace(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0, schedule="constant",
+                              min_lr_ratio=0.0)
+
+
+def data(args, vocab: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shape = (args.batch, args.seq_len)
+    return dict(ids=rng.integers(0, vocab, shape), adv=rng.choice([-1.0, 1.0], shape).astype(np.float32),
+                inf=-rng.uniform(8, 13, shape).astype(np.float32))
+
+
+def micro_batches(d: dict[str, np.ndarray], args) -> list[dict[str, np.ndarray]]:
+    """Each sequence as one micro-batch of ``seq_len // sample_len`` packed samples (host arrays, like a MicroBatch)."""
+    lengths = np.full(args.seq_len // args.sample_len, args.sample_len, np.int64)
+    pos = np.concatenate([np.arange(n) for n in lengths])
+    return [dict(input_ids=d["ids"][i], position_ids=pos, loss_mask=pos > 0, advantages=d["adv"][i],
+                 inference_logprobs=d["inf"][i], temperatures=np.ones(args.seq_len, np.float32), lengths=lengths)
+            for i in range(args.batch)]
+
+
+def to_device(mb: dict[str, np.ndarray], device) -> Batch:
+    """What trainer.step.to_batch does with a MicroBatch: host arrays → device tensors."""
+    t = {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in mb.items() if k != "lengths"}
+    return Batch(mode="rl", input_ids=t["input_ids"], position_ids=t["position_ids"], temperatures=t["temperatures"],
+                 loss_mask=t["loss_mask"], advantages=t["advantages"], inference_logprobs=t["inference_logprobs"],
+                 teacher_logprobs=None, on_policy=t["loss_mask"], sample_lengths=mb["lengths"],
+                 rewards=np.zeros(len(mb["lengths"])), steps_off_policy=0.0)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM (peak RSS)
+        except OSError:
+            pass
+
+
+def peak_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def compile_layers(model):
+    for layer in model.model.layers:
+        layer.compile()
+
+
+def run_bare(args, device, dtype, d) -> tuple[float, float, float]:
+    model = build(args.preset, device, dtype)
+    if args.compile:
+        compile_layers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.from_numpy(d["ids"]).to(device)
+    adv = torch.from_numpy(d["adv"]).to(device)[:, 1:]
+    inf = torch.from_numpy(d["inf"]).to(device)[:, 1:]
+
+    def step():
+        logits = model(input_ids=ids).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(adv * (logp - inf).exp()).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    result = timed(step, args, device)
+    return result
+
+
+def run_trainer(args, device, dtype, d) -> tuple[float, float, float]:
+    lm = build(args.preset, device, dtype)
+    policy = PolicyModel(lm, chunk_size=args.chunk_size)
+    if args.compile:
+        compile_layers(lm)
+    opt = build_optimizer(policy, TRAINER_CFG)
+    sched = build_scheduler(opt, TRAINER_CFG, None)
+    mbs = micro_batches(d, args)
+    fns = {"rl": dppo_loss}
+    n_params = count_parameters(lm)
+
+    def step():
+        batches = [to_device(mb, device) for mb in mbs]
+        train_step(policy, opt, sched, batches, loss_fns=fns, ctx=DistContext(), step=1, max_grad_norm=1.0,
+                   n_params=n_params)
+
+    result = timed(step, args, device)
+    return result
+
+
+def timed(step, args, device) -> tuple[float, float, float]:
+    """(tokens/s, peak GiB, first-step seconds) over args.steps steps after args.warmup."""
+    reset_peak(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    first = time.perf_counter() - t0
+    for _ in range(args.warmup - 1):
+        step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    return args.batch * args.seq_len * args.steps / elapsed, peak_gib(device), first
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: tiny on cpu, qwen3-0.6b on cuda")
+    parser.add_argument("--batch", type=int, default=None, help="sequences (micro-batches); default 4 cpu / 8 cuda")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default 256 cpu / 2048 cuda")
+    parser.add_argument("--sample-len", type=int, default=None, help="tokens per packed sample (default: seq-len)")
+    parser.add_argument("--chunk-size", type=int, default=1024, help="logprob chunk (tokens)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (both loops)")
+    parser.add_argument("--only", choices=["trainer", "bare"], default=None)
+    args = parser.parse_args()
+    gpu = args.device == "cuda"
+    args.preset = args.preset or ("qwen3-0.6b" if gpu else "tiny")
+    args.batch = args.batch or (8 if gpu else 4)
+    args.seq_len = args.seq_len or (2048 if gpu else 256)
+    args.sample_len = args.sample_len or args.seq_len
+    args.warmup = max(1, args.warmup)
+    torch.set_num_threads(torch.get_num_threads() if gpu else 1)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    d = data(args, PRESETS[args.preset]["vocab_size"])
+    print(f"preset={args.preset} device={device} dtype={dtype} tokens/step={args.batch}x{args.seq_len} "
+          f"sample_len={args.sample_len} compile={args.compile} steps={args.steps} warmup={args.warmup}", flush=True)
+    results = {}
+    for name, fn in (("trainer", run_trainer), ("bare", run_bare)):
+        if args.only and args.only != name:
+            continue
+        tps, peak, first = fn(args, device, dtype, d)
+        results[name] = tps
+        line = f"{name:8s} {tps:10.0f} tokens/s  peak {peak:6.2f} GiB  first step {first:6.1f} s"
+        flops = peak_flops(device)
+        if flops:
+            model = build(args.preset, "meta", dtype)
+            n = count_parameters(model)
+            cfg = model.config
+            per_tok = 6 * n + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * args.sample_len
+            line += f"  MFU {tps * per_tok / flops:5.1%}"
+        print(line, flush=True)
+    if len(results) == 2:
+        print(f"trainer/bare ratio: {results['trainer'] / results['bare']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

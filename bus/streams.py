@@ -1,0 +1,301 @@
+"""The bus: Redis streams with consumer groups, dead letters and atomic commits (asyncio, redis-py + hiredis).
+
+A consuming stage reads with :meth:`Bus.read_group`, does its work, then :meth:`Bus.commit`\\ s the
+acks of its inputs together with its outputs in one MULTI/EXEC, so a stage never half-commits.
+Entries a dead consumer left pending come back through :meth:`Bus.reclaim`; entries that cannot be
+decoded, or were delivered more than ``max_deliveries`` times, go to the run's ``dead`` stream.
+
+``block_ms`` everywhere follows redis-py: None returns at once, N blocks up to N ms (0 = forever).
+"""
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ResponseError, WatchError
+
+from bus.errors import DecodeError, RlbusError
+from bus.keys import Keys
+from bus.log import get_logger
+from bus.messages import DeadLetter, Message, decode
+from bus.resp import fast_packing
+from workers.config import RedisConfig
+
+
+@dataclass
+class Entry:
+    """One delivered stream entry."""
+
+    stream: str
+    id: str
+    fields: dict[bytes, bytes]
+    message: Message
+    deliveries: int = 1
+
+
+class CommitConflict(RlbusError):
+    """A commit guard did not hold (another worker moved first); nothing was written."""
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Bus:
+    """One worker's connection to one run's streams."""
+
+    def __init__(self, client: aioredis.Redis, run: str, cfg: RedisConfig, worker: str):
+        self.redis = client
+        self.keys = Keys(run)
+        self.cfg = cfg
+        self.worker = worker
+        self.log = get_logger(worker=worker, run=run)
+
+    @classmethod
+    async def connect(cls, url: str, run: str, cfg: RedisConfig, worker: str) -> "Bus":
+        """Connect to ``url`` (checked with PING) as consumer ``worker`` of run ``run``."""
+        client = aioredis.Redis.from_url(url, decode_responses=False)
+        pool = client.connection_pool
+        pool.connection_class = fast_packing(pool.connection_class)
+        try:
+            await client.ping()
+        except Exception as e:
+            await client.aclose()
+            raise RlbusError(f"cannot reach Redis at {url}: {e}; start one with `rlbus redis` or fix redis.url") from e
+        return cls(client, run, cfg, worker)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # Publishing.
+
+    def _xadd(self, target: Any, stream: str, message: Message | dict) -> Any:
+        fields = message if isinstance(message, dict) else message.to_fields()
+        return target.xadd(stream, fields, maxlen=self.cfg.maxlen, approximate=True)
+
+    async def publish(self, stream: str, message: Message) -> str:
+        """XADD one message (``MAXLEN ~ redis.maxlen``); returns its entry id."""
+        return _str(await self._xadd(self.redis, stream, message))
+
+    async def publish_many(self, stream: str, messages: list[Message]) -> list[str]:
+        """XADD several messages in one pipeline round trip; returns their entry ids."""
+        pipe = self.redis.pipeline(transaction=False)
+        for message in messages:
+            self._xadd(pipe, stream, message)
+        return [_str(i) for i in await pipe.execute()]
+
+    # Consumer groups.
+
+    async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
+        """Create ``group`` on ``stream`` (and the stream); a group that exists already is left alone."""
+        try:
+            await self.redis.xgroup_create(stream, group, id=start_id, mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read_group(
+        self, streams: list[str], group: str, count: int = 16, block_ms: int | None = None
+    ) -> list[Entry]:
+        """XREADGROUP ``>`` over ``streams`` (groups are created at ``0`` when missing).
+
+        Entries that fail to decode are dead-lettered (and acked) and left out of the result.
+        """
+        query = {s: ">" for s in streams}
+        try:
+            reply = await self.redis.xreadgroup(group, self.worker, query, count=count, block=block_ms)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            for stream in streams:
+                await self.ensure_group(stream, group)
+            reply = await self.redis.xreadgroup(group, self.worker, query, count=count, block=block_ms)
+        entries: list[Entry] = []
+        for stream, items in reply or []:
+            entries += await self._decode_all(_str(stream), group, items, {})
+        return entries
+
+    async def _decode_all(
+        self, stream: str, group: str, items: list, deliveries: dict[str, int]
+    ) -> list[Entry]:
+        entries = []
+        for raw_id, fields in items:
+            entry_id = _str(raw_id)
+            if fields is None:  # deleted (trimmed) while pending
+                await self.ack(stream, group, [entry_id])
+                continue
+            count = deliveries.get(entry_id, 1)
+            try:
+                message = decode(fields)
+            except DecodeError as e:
+                await self.dead_letter(stream, entry_id, fields, reason=f"decode: {e}", group=group, deliveries=count)
+                continue
+            entries.append(Entry(stream, entry_id, fields, message, count))
+        return entries
+
+    async def reclaim(self, stream: str, group: str, count: int = 16) -> list[Entry]:
+        """Claim up to ``count`` entries idle ≥ ``claim_idle_ms`` (their consumer presumed dead).
+
+        An entry whose delivery count now exceeds ``max_deliveries`` (it was processed that many
+        times without an ack) is dead-lettered and acked instead of returned.
+        """
+        claimed: list = []
+        cursor: bytes | str = "0-0"
+        while len(claimed) < count:
+            try:
+                reply = await self.redis.xautoclaim(
+                    stream, group, self.worker, self.cfg.claim_idle_ms, start_id=cursor, count=count - len(claimed)
+                )
+            except ResponseError as e:
+                if "NOGROUP" in str(e):
+                    return []
+                raise
+            cursor, items = reply[0], reply[1]
+            claimed += items
+            if _str(cursor) == "0-0":
+                break
+        if not claimed:
+            return []
+        deliveries = await self._delivery_counts(stream, group, [_str(i) for i, f in claimed if f is not None])
+        entries = []
+        for entry in await self._decode_all(stream, group, claimed, deliveries):
+            if entry.deliveries > self.cfg.max_deliveries:
+                reason = f"delivered {entry.deliveries} times (> redis.max_deliveries={self.cfg.max_deliveries})"
+                await self.dead_letter(entry, reason=reason, group=group)
+            else:
+                entries.append(entry)
+        return entries
+
+    async def _delivery_counts(self, stream: str, group: str, ids: list[str]) -> dict[str, int]:
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+        counts = {}
+        for rows in await pipe.execute():
+            for row in rows:
+                counts[_str(row["message_id"])] = int(row["times_delivered"])
+        return counts
+
+    async def ack(self, stream: str, group: str, ids: list[str]) -> None:
+        if ids:
+            await self.redis.xack(stream, group, *ids)
+
+    async def dead_letter(
+        self,
+        entry: Entry | str,
+        entry_id: str | None = None,
+        fields: dict | None = None,
+        *,
+        reason: str,
+        group: str | None = None,
+        deliveries: int | None = None,
+    ) -> str:
+        """Publish a DeadLetter (reason + original fields) to ``dead`` and, with ``group``, ack the entry.
+
+        Pass an :class:`Entry`, or ``stream, entry_id, fields``. Returns the dead letter's id.
+        """
+        if isinstance(entry, Entry):
+            stream, entry_id, fields = entry.stream, entry.id, entry.fields
+            deliveries = entry.deliveries if deliveries is None else deliveries
+        else:
+            stream = entry
+        if entry_id is None:
+            raise ValueError("dead_letter needs an Entry or (stream, entry_id, fields)")
+        letter = DeadLetter(
+            stream=stream,
+            entry_id=entry_id,
+            reason=reason,
+            worker=self.worker,
+            deliveries=deliveries or 1,
+            fields={_str(k): v if isinstance(v, bytes) else str(v).encode() for k, v in (fields or {}).items()},
+        )
+        acks = [(stream, group, entry_id)] if group is not None else []
+        ids = await self.commit(acks, [(self.keys.dead(), letter)])
+        self.log.warning("entry_dead_lettered", stream=stream, entry_id=entry_id, reason=reason)
+        return ids[0]
+
+    # Atomic commit.
+
+    async def commit(
+        self,
+        acks: list[tuple[str, str, str]],
+        outputs: list[tuple[str, Message]],
+        *,
+        extra: Callable[[Pipeline], None] | None = None,
+        guard: tuple[str, str, str | None] | None = None,
+    ) -> list[str]:
+        """In one MULTI/EXEC: XACK each ``(stream, group, id)``, XADD each ``(stream, message)``, then ``extra(pipe)``.
+
+        ``guard=(hash_key, field, expected)``: WATCH the hash and commit only while HGET equals
+        ``expected`` (None = field absent), else raise :class:`CommitConflict` with nothing written.
+        Returns the ids of the outputs. The commit runs to its end even if the caller is cancelled.
+        """
+        encoded = [(stream, message.to_fields()) for stream, message in outputs]
+        return await asyncio.shield(self._commit(acks, encoded, extra, guard))
+
+    async def _commit(self, acks, encoded, extra, guard) -> list[str]:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if guard is not None:
+                key, field, expected = guard
+                await pipe.watch(key)
+                current = await pipe.hget(key, field)
+                if (None if current is None else _str(current)) != expected:
+                    raise CommitConflict(f"{key} {field} is {current!r}, expected {expected!r}")
+                pipe.multi()
+            for stream, group, entry_id in acks:
+                pipe.xack(stream, group, entry_id)
+            for stream, fields in encoded:
+                self._xadd(pipe, stream, fields)
+            if extra is not None:
+                extra(pipe)
+            try:
+                results = await pipe.execute()
+            except WatchError as e:
+                key, field, expected = guard
+                raise CommitConflict(f"{key} {field} changed during the commit (expected {expected!r})") from e
+        return [_str(i) for i in results[len(acks) : len(acks) + len(encoded)]]
+
+    # Fan-out reads (no group): weights, policy, metrics.
+
+    async def read_fanout(
+        self, stream: str, last_id: str = "0", count: int = 100, block_ms: int | None = None
+    ) -> list[tuple[str, Message]]:
+        """XREAD entries after ``last_id``; undecodable entries are logged and skipped."""
+        while True:
+            reply = await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+            if not reply:
+                return []
+            out = []
+            for raw_id, fields in reply[0][1]:
+                last_id = _str(raw_id)
+                try:
+                    out.append((last_id, decode(fields)))
+                except DecodeError as e:
+                    self.log.error("fanout_entry_undecodable", stream=stream, entry_id=last_id, error=str(e))
+            if out:
+                return out
+            block_ms = None
+
+    async def last(self, stream: str) -> tuple[str, Message] | None:
+        """The newest entry of ``stream`` (XREVRANGE COUNT 1), or None when empty."""
+        rows = await self.redis.xrevrange(stream, count=1)
+        if not rows:
+            return None
+        raw_id, fields = rows[0]
+        return _str(raw_id), decode(fields)
+
+    # The run's state hash.
+
+    async def state_get(self, field: str) -> str | None:
+        value = await self.redis.hget(self.keys.state(), field)
+        return None if value is None else _str(value)
+
+    async def state_set(self, **fields: Any) -> None:
+        if fields:
+            await self.redis.hset(self.keys.state(), mapping={k: str(v) for k, v in fields.items()})
+
+    async def state_incr(self, field: str, by: int = 1) -> int:
+        return int(await self.redis.hincrby(self.keys.state(), field, by))

@@ -1,0 +1,79 @@
+"""Shared fixtures: one private redis-server per session, a run name per test, buses, a tiny model.
+
+Async code runs inside sync tests with ``asyncio.run(...)``; a Bus belongs to the loop it was made in::
+
+    def test_x(bus):
+        async def main():
+            async with bus("w1", claim_idle_ms=100) as b:
+                await b.publish(b.keys.metrics(), ...)
+        asyncio.run(main())
+"""
+
+import os
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import redis
+
+from bus.local_redis import LocalRedis
+from bus.streams import Bus
+from workers.config import RedisConfig
+
+# Spawned workers share 2 cores with everyone else's tests.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """URL of a private redis-server (free port, AOF in a temp dir) for the whole session."""
+    server = LocalRedis(dir=tmp_path_factory.mktemp("redis"))
+    url = server.start()
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    return redis_server
+
+
+@pytest.fixture
+def run_name() -> str:
+    """A run name no other test uses, so tests never see each other's streams."""
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def redis_client(redis_url):
+    """A plain (sync) redis-py client, bytes in and out, for checking what landed in Redis."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def bus(redis_url, run_name):
+    """Factory of Buses for this test's run: ``async with bus(worker, **redis_overrides) as b``."""
+
+    @asynccontextmanager
+    async def make(worker: str = "test", run: str | None = None, **overrides):
+        cfg = RedisConfig(url=redis_url, **overrides)
+        b = await Bus.connect(redis_url, run or run_name, cfg, worker)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random-init tiny Qwen3 with its byte-level tokenizer, built once per session."""
+    from workers.model_init import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny", seed=0)

@@ -1,0 +1,52 @@
+"""The staleness gate: the admission rule, and waiting on real `policy` events."""
+
+import asyncio
+
+import pytest
+
+from bus.messages import PolicyVersion
+from bus.policy import PolicyTracker, publish_served, publish_trained
+from workers.gate import StalenessGate, admits
+
+
+@pytest.mark.parametrize("served,trained,off,eval_step,ok", [
+    (0, 0, 0, None, False),   # next step 1 needs served ≥ 1
+    (1, 0, 0, None, True),
+    (0, 0, 1, None, True),
+    (2, 5, 3, None, False),   # next step 6 − 3 = 3 > 2
+    (3, 5, 3, None, True),
+    (4, 100, 0, 4, True),     # eval: never stale
+    (3, 0, 8, 4, False),      # eval waits for its version
+])
+def test_admits(served, trained, off, eval_step, ok):
+    assert admits(served, trained, off, eval_step) is ok
+
+
+def test_gate_blocks_while_served_lags_and_releases_on_new_served(bus):
+    async def main():
+        async with bus("trainer", block_ms=50) as b:
+            await publish_trained(b, 3)
+            await publish_served(b, "s0", 1)
+            gate = StalenessGate(PolicyTracker(b), max_off_policy_steps=2, block_ms=50)
+            waiter = asyncio.create_task(gate.wait())  # next step 4 − 2 = 2 > served 1
+            await asyncio.sleep(0.3)
+            assert not waiter.done()
+            await publish_served(b, "s1", 2)  # a second server: min(served) stays 1
+            await asyncio.sleep(0.2)
+            assert not waiter.done()
+            await publish_served(b, "s0", 2)
+            waited = await asyncio.wait_for(waiter, 2)
+            assert waited >= 0.4
+            assert gate.is_open()
+            eval_waiter = asyncio.create_task(gate.wait(eval_step=3))
+            await asyncio.sleep(0.2)
+            assert not eval_waiter.done()
+            for server in ("s0", "s1"):
+                await b.publish(b.keys.policy(), PolicyVersion(role="served", step=3, server=server))
+            await asyncio.wait_for(eval_waiter, 2)
+            stop = asyncio.Event()
+            stop.set()
+            await asyncio.wait_for(gate.wait(eval_step=9, stop=stop), 2)  # a stop request ends the wait
+            assert not gate.is_open(eval_step=9)
+
+    asyncio.run(main())

@@ -1,0 +1,212 @@
+"""The inference server as a real process on the tiny model, against a real redis."""
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from bus.local_redis import free_port
+from bus.messages import WeightUpdate
+from bus.policy import PolicyTracker
+from workers.inference.client import InferenceClient
+from workers.inference.process import InferenceProcess
+from workers.model_init import build_model
+
+SERVER_ID = "s1"
+
+
+@pytest.fixture(scope="module")
+def run(redis_server):
+    return f"t-inf-{int(time.time() * 1000) % 10**8}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, redis_server, run, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("inference")
+    config = tmp / "cfg.toml"
+    config.write_text(
+        f'[run]\nname = "{run}"\n[redis]\nurl = "{redis_server}"\nblock_ms = 200\n'
+        f'[model]\npath = "{tiny_model_dir}"\n[inference]\nnum_threads = 1\nmax_model_len = 512\n'
+    )
+    with InferenceProcess(config, free_port(), SERVER_ID, log_path=tmp / "server.log") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _post(server, path, body):
+    async def go():
+        async with aiohttp.ClientSession() as s, s.post(server.base_url + path, json=body) as r:
+            return r.status, await r.json()
+
+    return asyncio.run(go())
+
+
+def _forward_logprobs(model, ids: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_are_log_softmax_at_the_temperature(server, model_and_tokenizer, temperature):
+    model, tok = model_and_tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "abc"}], tokenize=True,
+                                     add_generation_prompt=True, return_dict=False)
+
+    async def go():
+        async with InferenceClient([server.base_url]) as client:
+            return await client.completions(prompt, n=3, temperature=temperature, max_tokens=24, prompt_logprobs=True)
+
+    result = asyncio.run(go())
+    assert result.prompt_token_ids == prompt and result.policy_version == 0
+    for choice in result.choices:
+        full = prompt + choice.token_ids
+        logprobs = _forward_logprobs(model, full, temperature or 1.0)[len(prompt) - 1 : -1]
+        expected = logprobs.gather(1, torch.tensor(choice.token_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(choice.logprobs), expected, atol=1e-4)
+        if temperature == 0:
+            assert choice.token_ids == logprobs.argmax(-1).tolist()
+    raw = _forward_logprobs(model, prompt, 1.0)
+    expected_prompt = raw[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    assert result.prompt_logprobs[0] is None
+    assert torch.allclose(torch.tensor(result.prompt_logprobs[1:]), expected_prompt, atol=1e-4)
+
+
+def test_token_ids_round_trip_through_the_tokenizer(server, model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    text = "héllo, wörld ✓"
+    status, body = _post(server, "/completions", {"prompt": text, "max_tokens": 16, "return_token_ids": True,
+                                                    "temperature": 0.0, "stop_token_ids": []})
+    assert status == 200
+    choice = body["choices"][0]
+    assert tok.decode(choice["prompt_token_ids"]) == text
+    assert tok.encode(text, add_special_tokens=False) == choice["prompt_token_ids"]
+    assert choice["text"] == tok.decode(choice["token_ids"], skip_special_tokens=True)
+    assert body["usage"]["completion_tokens"] == len(choice["token_ids"])
+
+
+def test_chat_completion_fields_like_vllm(server, model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    messages = [{"role": "user", "content": "hi"}]
+    status, body = _post(server, "/chat/completions", {
+        "messages": messages, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2,
+        "return_token_ids": True, "n": 2, "seed": 7, "ignore_eos": True,
+    })
+    assert status == 200 and body["policy_version"] == 0
+    assert body["prompt_token_ids"] == tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                               return_dict=False)
+    for choice in body["choices"]:
+        assert len(choice["token_ids"]) == 5 and choice["finish_reason"] == "length"
+        content = choice["logprobs"]["content"]
+        assert len(content) == 5 and all(len(c["top_logprobs"]) == 2 for c in content)
+    _, again = _post(server, "/chat/completions", {"messages": messages, "max_completion_tokens": 5, "n": 2,
+                                                   "seed": 7, "ignore_eos": True, "return_token_ids": True})
+    assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in body["choices"]]
+
+
+def test_bad_requests_get_400_with_the_reason(server):
+    status, body = _post(server, "/completions", {"prompt": [1] * 600, "max_tokens": 4})
+    assert status == 400 and "max_model_len=512" in body["error"]["message"]
+    status, body = _post(server, "/completions", {"prompt": "x", "temperature": -1})
+    assert status == 400 and "temperature" in body["error"]["message"] and body["policy_version"] == 0
+
+
+def test_stop_strings_end_the_completion(server):
+    status, body = _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0,
+                                                    "seed": 3, "return_token_ids": True, "ignore_eos": True})
+    text = body["choices"][0]["text"]
+    stop = next((ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd"), None)
+    if stop is None:
+        pytest.skip("sampled text has no printable character to stop on")
+    status, body = _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0, "seed": 3,
+                                                    "return_token_ids": True, "ignore_eos": True, "stop": [stop]})
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert stop not in choice["text"] and text.startswith(choice["text"])
+
+
+def test_concurrent_requests_are_batched(server):
+    """Ten concurrent requests finish at least 3x faster than the same ten one after another."""
+    body = {"max_tokens": 96, "ignore_eos": True, "temperature": 1.0}
+
+    async def go():
+        async with InferenceClient([server.base_url]) as client:
+            await client.completions([65, 66], max_tokens=4)  # warm up (model name, connection)
+            start = time.perf_counter()
+            for i in range(10):
+                await client.completions([65 + i, 66], extra_body=body)
+            sequential = time.perf_counter() - start
+            start = time.perf_counter()
+            results = await asyncio.gather(*(client.completions([65 + i, 66], extra_body=body) for i in range(10)))
+            concurrent = time.perf_counter() - start
+            assert all(len(r.choices[0].token_ids) == 96 for r in results)
+            return sequential, concurrent
+
+    sequential, concurrent = asyncio.run(go())
+    assert sequential / concurrent >= 3, f"sequential {sequential:.2f}s vs concurrent {concurrent:.2f}s"
+
+
+def test_weight_update_changes_greedy_output_and_served_follows(server, bus, run, tmp_path, model_and_tokenizer):
+    """Runs last in this module: it moves the shared server to version 1."""
+    from transformers import AutoModelForCausalLM
+
+    _, tok = model_and_tokenizer
+    new_dir = build_model(tmp_path / "step_1", preset="tiny", seed=1)
+    new_model = AutoModelForCausalLM.from_pretrained(new_dir).eval()
+    prompt = tok.encode("reverse me", add_special_tokens=False)
+    expected = list(prompt)
+    for _ in range(12):
+        expected.append(int(_forward_logprobs(new_model, expected, 1.0)[-1].argmax()))
+    expected = expected[len(prompt):]
+    greedy = {"prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+
+    _, before = _post(server, "/completions", greedy)
+    assert before["policy_version"] == 0 and before["choices"][0]["token_ids"] != expected
+
+    async def update():
+        async with bus("trainer", run=run) as b:
+            tracker = PolicyTracker(b)
+            await tracker.wait(lambda t: t.served_by.get(SERVER_ID) == 0, timeout_s=10)
+            await b.publish(b.keys.weights(), WeightUpdate(step=1, format="safetensors", dir=str(new_dir)))
+            await tracker.wait(lambda t: t.served_by.get(SERVER_ID) == 1, timeout_s=30)
+
+    asyncio.run(update())
+    _, after = _post(server, "/completions", greedy)
+    assert after["policy_version"] == 1
+    assert after["choices"][0]["token_ids"] == expected
+
+
+def test_gloo_broadcast_update_is_loaded_in_place(server, bus, run, tmp_path, model_and_tokenizer):
+    """After the safetensors update (version 1): a gloo broadcast of other weights as version 2."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.broadcast import WeightBroadcaster
+
+    new_model = AutoModelForCausalLM.from_pretrained(build_model(tmp_path / "m2", seed=2)).eval()
+    prompt = [104, 105]
+    expected = list(prompt)
+    for _ in range(8):
+        expected.append(int(_forward_logprobs(new_model, expected, 1.0)[-1].argmax()))
+    sender = WeightBroadcaster("127.0.0.1", free_port(), receivers=1, device=torch.device("cpu"), timeout_s=60)
+    state = new_model.state_dict()
+    event = sender.event(2, state)
+
+    async def update():
+        async with bus("trainer", run=run) as b:
+            await b.publish(b.keys.weights(), event)
+            await asyncio.to_thread(sender.broadcast, event, state)
+            await PolicyTracker(b).wait(lambda t: t.served_by.get(SERVER_ID) == 2, timeout_s=30)
+
+    asyncio.run(update())
+    _, after = _post(server, "/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+                                              "ignore_eos": True, "return_token_ids": True})
+    assert after["policy_version"] == 2 and after["choices"][0]["token_ids"] == expected[2:]

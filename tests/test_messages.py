@@ -1,0 +1,268 @@
+"""Every message type survives the wire (as Redis hands it back: bytes keys and values); bad entries raise DecodeError."""
+
+import math
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from bus.arrays import packb, unpackb
+from bus.errors import DecodeError
+from bus.messages import (
+    MESSAGE_KINDS,
+    DeadLetter,
+    Metric,
+    MicroBatch,
+    PolicyVersion,
+    RolloutGroup,
+    Sample,
+    Task,
+    WeightFile,
+    WeightTensor,
+    WeightUpdate,
+    decode,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+text = st.text(max_size=20)
+names = st.text(alphabet="abcdefghij_0123456789", min_size=1, max_size=12)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+lengths = st.integers(0, 300)
+
+
+def int32s(size):
+    return hnp.arrays(np.int32, size)
+
+
+def float32s(size):
+    return hnp.arrays(np.float32, size, elements=st.floats(width=32, allow_nan=True))
+
+
+def bools(size):
+    return hnp.arrays(np.bool_, size)
+
+
+@st.composite
+def samples(draw):
+    n = draw(lengths)
+    return Sample(
+        prompt_ids=draw(int32s(draw(lengths))),
+        completion_ids=draw(int32s(n)),
+        completion_logprobs=draw(float32s(n)),
+        loss_mask=draw(bools(n)),
+        teacher_logprobs=draw(st.none() | float32s(n)),
+        reward=draw(finite),
+        advantage=draw(finite),
+        metrics=draw(st.dictionaries(names, finite, max_size=3)),
+        policy_version_start=draw(st.integers(0, 1000)),
+        policy_version_end=draw(st.integers(0, 1000)),
+        temperature=draw(st.floats(0, 2)),
+        flags=draw(st.dictionaries(names, st.booleans(), max_size=3)),
+        is_truncated=draw(st.booleans()),
+        turns=draw(st.integers(1, 8)),
+    )
+
+
+tasks = st.builds(
+    Task,
+    task_id=text,
+    env=names,
+    example_index=st.integers(0, 10**9),
+    example_id=text,
+    epoch=st.integers(0, 100),
+    group_size=st.integers(1, 64),
+    mode=st.sampled_from(["rl", "opd", "sft"]),
+    eval_step=st.none() | st.integers(0, 100),
+)
+groups = st.builds(
+    RolloutGroup,
+    task_id=text,
+    env=names,
+    example_id=text,
+    samples=st.lists(samples(), max_size=4),
+    eval_step=st.none() | st.integers(0, 100),
+    timings=st.dictionaries(names, finite, max_size=3),
+)
+
+
+@st.composite
+def micro_batches(draw):
+    n, k = draw(lengths), draw(st.integers(0, 8))
+    return MicroBatch(
+        step=draw(st.integers(1, 10**6)),
+        index=draw(st.integers(0, 7)),
+        count=8,
+        mode=draw(st.sampled_from(["rl", "opd", "sft"])),
+        input_ids=draw(int32s(n)),
+        position_ids=draw(int32s(n)),
+        loss_mask=draw(bools(n)),
+        advantages=draw(float32s(n)),
+        inference_logprobs=draw(float32s(n)),
+        teacher_logprobs=draw(st.none() | float32s(n)),
+        temperatures=draw(float32s(n)),
+        sample_lengths=draw(int32s(k)),
+        policy_versions=draw(int32s(k)),
+        rewards=draw(float32s(k)),
+    )
+
+
+weight_updates = st.builds(
+    WeightUpdate,
+    step=st.integers(0, 10**6),
+    format=st.sampled_from(["safetensors", "nccl"]),
+    dir=st.none() | text,
+    files=st.lists(st.builds(WeightFile, name=text, bytes=st.integers(0, 2**40), sha256=text), max_size=3),
+    host=st.none() | text,
+    port=st.none() | st.integers(1, 65535),
+    world_size=st.none() | st.integers(1, 64),
+    tensors=st.lists(
+        st.builds(WeightTensor, name=text, dtype=names, shape=st.lists(st.integers(0, 4096), max_size=3)), max_size=3
+    ),
+)
+policies = st.builds(
+    PolicyVersion, role=st.sampled_from(["trained", "served"]), step=st.integers(0, 10**6), server=text
+)
+metrics = st.builds(
+    Metric, source=names, step=st.none() | st.integers(0, 10**6), values=st.dictionaries(text, finite, max_size=5)
+)
+dead_letters = st.builds(
+    DeadLetter,
+    stream=text,
+    entry_id=text,
+    reason=text,
+    worker=text,
+    deliveries=st.integers(0, 100),
+    fields=st.dictionaries(text, st.binary(max_size=64), max_size=4),
+)
+
+
+def as_redis(fields: dict) -> dict[bytes, bytes]:
+    """What XREADGROUP returns for an entry written with these fields."""
+    return {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+
+
+def assert_same(a, b) -> None:
+    if isinstance(a, BaseModel):
+        assert type(a) is type(b)
+        assert a.__dict__.keys() == b.__dict__.keys()
+        for key in a.__dict__:
+            assert_same(a.__dict__[key], b.__dict__[key])
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b)
+    else:
+        assert a == b
+
+
+def round_trip(message):
+    fields = message.to_fields()
+    assert fields["kind"] == message.KIND and fields["v"] == str(message.V)
+    back = decode(as_redis(fields))
+    assert_same(message, back)
+    assert_same(message, type(message).from_fields(as_redis(fields)))
+    return fields
+
+
+@pytest.mark.parametrize(
+    "strategy", [tasks, groups, micro_batches(), weight_updates, policies, metrics, dead_letters], ids=lambda s: ""
+)
+def test_every_message_type_round_trips(strategy):
+    @SETTINGS
+    @given(strategy)
+    def check(message):
+        round_trip(message)
+
+    check()
+
+
+def test_every_kind_is_covered():
+    assert set(MESSAGE_KINDS) == {
+        "task", "rollout_group", "micro_batch", "weight_update", "policy_version", "metric", "dead_letter",
+    }
+
+
+def test_large_arrays_round_trip_as_read_only_views():
+    rng = np.random.default_rng(0)
+    n = 200_000
+    sample = Sample(
+        prompt_ids=rng.integers(0, 2**31 - 1, 4096, dtype=np.int32),
+        completion_ids=rng.integers(0, 2**31 - 1, n, dtype=np.int32),
+        completion_logprobs=-rng.random(n, dtype=np.float32),
+        loss_mask=rng.random(n) > 0.5,
+    )
+    group = RolloutGroup(task_id="t", env="e", example_id="0", samples=[sample])
+    fields = round_trip(group)
+    assert len(fields["data"]) > n * 9
+    back = decode(as_redis(fields)).samples[0].completion_ids
+    assert not back.flags.writeable
+
+
+def test_empty_arrays_round_trip():
+    empty = np.zeros(0, dtype=np.int32)
+    batch = MicroBatch(
+        step=1, index=0, count=1, mode="sft", input_ids=empty, position_ids=empty, loss_mask=np.zeros(0, bool),
+        advantages=np.zeros(0, np.float32), inference_logprobs=np.zeros(0, np.float32),
+        temperatures=np.zeros(0, np.float32), sample_lengths=empty, policy_versions=empty,
+        rewards=np.zeros(0, np.float32),
+    )
+    round_trip(batch)
+
+
+def test_headers_are_readable():
+    sample = Sample(prompt_ids=[1, 2], completion_ids=[3], completion_logprobs=[-0.5], loss_mask=[True], reward=0.5)
+    group = RolloutGroup(task_id="e:0:1", env="e", example_id="7", samples=[sample, sample])
+    fields = group.to_fields()
+    assert fields["env"] == "e" and fields["example_id"] == "7"
+    assert fields["reward"] == "0.5" and fields["tokens"] == "6" and fields["samples_count"] == "2"
+    assert "eval_step" not in fields
+
+
+def task_fields():
+    return as_redis(Task(task_id="e:0:0", env="e", example_index=0, example_id="0", group_size=2).to_fields())
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda f: f.update({b"v": b"99"}), "newer than this reader"),
+        (lambda f: f.update({b"v": b"one"}), "not an integer"),
+        (lambda f: f.pop(b"data"), "no 'data' field"),
+        (lambda f: f.pop(b"kind"), "no 'kind' field"),
+        (lambda f: f.update({b"kind": b"nope"}), "unknown message kind"),
+        (lambda f: f.update({b"data": b"\xc1\xff garbage"}), "not valid msgpack"),
+        (lambda f: f.update({b"data": b"\x93\x01\x02\x03"}), "expected a map"),
+        (lambda f: f.update({b"data": b"\x80"}), "does not validate"),
+        (lambda f: f.update({b"kind": b"\xff\xfe"}), "not UTF-8"),
+    ],
+)
+def test_bad_entries_raise_decode_error(change, words):
+    fields = task_fields()
+    change(fields)
+    with pytest.raises(DecodeError, match=words):
+        decode(fields)
+
+
+@pytest.mark.parametrize("raw, shape", [(b"\x01\x00\x00\x00\x02", [2]), (b"\x01\x00\x00\x00" * 2, [3])])
+def test_array_bytes_that_do_not_fit_their_shape_raise_decode_error(raw, shape):
+    sample = Sample(prompt_ids=[1, 2, 3], completion_ids=[4], completion_logprobs=[0.0], loss_mask=[True])
+    fields = RolloutGroup(task_id="t", env="e", example_id="0", samples=[sample]).to_fields()
+    payload = unpackb(fields["data"])
+    payload["samples"][0]["prompt_ids"] = ["<i4", shape, raw]
+    fields["data"] = packb(payload)
+    with pytest.raises(DecodeError, match="rollout_group v1 does not validate"):
+        decode(as_redis(fields))
+
+
+def test_from_fields_rejects_another_kind():
+    with pytest.raises(DecodeError, match="expected a 'metric' entry"):
+        Metric.from_fields(task_fields())

@@ -1,0 +1,68 @@
+"""The no-hub model: byte-level tokenizer + random-init Qwen3 that reload offline."""
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.model_init import build_model, ensure_model, main
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("m") / "tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_reloads_offline_with_expected_shape(model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    params = sum(p.numel() for p in model.parameters())
+    assert 0.4e6 < params < 0.7e6
+    assert model.config.vocab_size == len(tokenizer) == 259
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert model.config.eos_token_id == tokenizer.eos_token_id == 258
+
+
+def test_chat_template_opens_an_assistant_turn(tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert tokenizer.decode(ids) == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert ids[:1] == [257] and ids.count(258) == 2
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text())
+def test_any_utf8_text_round_trips(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+
+
+def test_byte_tokens_are_byte_values(tokenizer):
+    assert tokenizer.encode("A\x00é", add_special_tokens=False) == [65, 0, 0xC3, 0xA9]
+
+
+def test_same_seed_same_weights_and_ensure_model_reuses(tmp_path, model_dir):
+    again = build_model(tmp_path / "again", seed=0)
+    assert (again / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
+    assert ensure_model(again, preset=None) == again
+    with pytest.raises(FileNotFoundError, match="rlbus init-model --out"):
+        ensure_model(tmp_path / "missing", preset=None)
+
+
+def test_cli_entry_without_config(tmp_path, capsys):
+    assert main(None, ["--out", str(tmp_path / "m"), "--preset", "tiny", "--seed", "3"]) == 0
+    assert (tmp_path / "m" / "tokenizer.json").exists()
+    assert "model_written" in capsys.readouterr().out

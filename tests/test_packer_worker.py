@@ -1,0 +1,227 @@
+"""Filter and packer workers against a real redis-server: atomic commits, staleness, kill -9, collapse."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bus.errors import CollapseError
+from bus.keys import GROUP_FILTER, GROUP_PACKER
+from bus.messages import Metric, MicroBatch, RolloutGroup, Sample
+from bus.policy import publish_trained
+from workers.config import RlbusConfig
+from workers.filter import STOP_REASON_FIELD, STREAK_FIELD, FilterWorker
+from workers.packer import LAST_STEP_FIELD, PAUSE_ENV, PackerWorker
+
+ENV = "rev"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def group(uid: int, rewards: list[float], version: int = 0, advantage: float = 0.5) -> RolloutGroup:
+    samples = [
+        Sample(
+            prompt_ids=np.full(3, uid, np.int32),
+            completion_ids=np.arange(5, dtype=np.int32),
+            completion_logprobs=np.full(5, -1.0, np.float32),
+            loss_mask=np.ones(5, bool),
+            reward=r,
+            advantage=advantage,
+            policy_version_start=version,
+            policy_version_end=version,
+        )
+        for r in rewards
+    ]
+    return RolloutGroup(task_id=f"{ENV}:0:{uid}", env=ENV, example_id=str(uid), samples=samples)
+
+
+def config(redis_url: str, run_name: str, model_dir: Path, **packer) -> RlbusConfig:
+    return RlbusConfig.model_validate(
+        {
+            "run": {"name": run_name},
+            "redis": {"url": redis_url, "block_ms": 100},
+            "model": {"path": str(model_dir)},
+            "env": [{"id": "reverse_text", "name": ENV, "group_size": 2}],
+            "packer": {"batch_size": 4, "seq_len": 32, **packer},
+        }
+    )
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    """A model folder with just the config.json the filters read (vocab_size)."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    return tmp_path
+
+
+async def micro_batches(bus, step: int) -> list[MicroBatch]:
+    rows = await bus.redis.xrange(bus.keys.batches(step))
+    return [MicroBatch.from_fields(fields) for _, fields in rows]
+
+
+async def pending(bus, stream: str, group: str) -> int:
+    return int((await bus.redis.xpending(stream, group))["pending"])
+
+
+def test_filter_commits_atomically_and_decrements_inflight(bus, redis_url, run_name, model_dir):
+    cfg = config(redis_url, run_name, model_dir)
+    cfg.filter.pre_batch_filters[2].enforce = True  # zero_advantage drops
+
+    async def main():
+        async with bus("test") as b:
+            await b.state_set(inflight=10)
+            await b.publish(b.keys.rollouts(ENV), group(1, [1.0, 0.0]))
+            await b.publish(b.keys.rollouts(ENV), group(2, [1.0, 1.0]))  # zero advantage: dropped
+            worker = FilterWorker(cfg, worker="filter-0")
+            await worker.setup()
+            entries = await worker.bus.read_group(worker.streams, GROUP_FILTER, count=16)
+            await worker.process(entries)
+            await worker.close()
+            out = await b.redis.xrange(b.keys.filtered(ENV))
+            assert len(out) == 1
+            kept = RolloutGroup.from_fields(out[0][1])
+            assert [s.advantage for s in kept.samples] == [0.5, -0.5]
+            assert await b.state_get("inflight") == "6"
+            assert await pending(b, b.keys.rollouts(ENV), GROUP_FILTER) == 0
+            _, metric = await b.last(b.keys.metrics())
+            assert metric.values["filter/zero_advantage/dropped"] == 2
+            assert await b.state_get(STREAK_FIELD) == "1"
+
+    asyncio.run(main())
+
+
+def test_zero_variance_collapse_stops_with_the_message(bus, redis_url, run_name, model_dir):
+    cfg = config(redis_url, run_name, model_dir, collapse_after=3)
+
+    async def main():
+        async with bus("test") as b:
+            for uid, rewards in enumerate(
+                [[1.0, 1.0], [0.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.5, 0.5], [0.0, 0.0]]
+            ):
+                await b.publish(b.keys.rollouts(ENV), group(uid, rewards))
+            worker = FilterWorker(cfg, worker="filter-0")
+            await worker.setup()
+            with pytest.raises(CollapseError, match="zero reward variance") as info:
+                await asyncio.wait_for(worker.run(), 20)
+            await worker.close()
+            assert "packer.collapse_after" in str(info.value) and "trainer.lr" in str(info.value)
+            # the varied third group reset the streak: it stopped at the 3 that followed
+            assert await b.state_get(STREAK_FIELD) == "3"
+            assert "zero reward variance" in await b.state_get(STOP_REASON_FIELD)
+            _, metric = await b.last(b.keys.metrics())
+            assert isinstance(metric, Metric) and metric.values["collapse/zero_variance_groups"] == 3
+
+    asyncio.run(main())
+
+
+def test_stale_groups_are_dropped_and_counted(bus, redis_url, run_name, model_dir):
+    cfg = config(redis_url, run_name, model_dir, max_off_policy_steps=2)
+
+    async def main():
+        async with bus("test") as b:
+            await b.state_set(**{LAST_STEP_FIELD: 4})  # next step s = 5
+            await publish_trained(b, 4)
+            stream = b.keys.filtered(ENV)
+            await b.publish(stream, group(1, [1.0, 0.0], version=2))  # s − max_off − 1: stale
+            await b.publish(stream, group(2, [1.0, 0.0], version=3))  # s − max_off: kept
+            await b.publish(stream, group(3, [0.0, 1.0], version=4))
+            worker = PackerWorker(cfg, worker="packer-0")
+            await worker.setup()
+            task = asyncio.create_task(worker.run())
+            while not await b.redis.exists(b.keys.batches(5)):
+                await asyncio.sleep(0.05)
+            worker.request_stop()
+            await asyncio.wait_for(task, 5)
+            await worker.close()
+            batches = await micro_batches(b, 5)
+            versions = sorted(v for mb in batches for v in mb.policy_versions.tolist())
+            assert versions == [3, 3, 4, 4]
+            assert await pending(b, stream, GROUP_PACKER) == 0  # the stale group was acked too
+            _, metric = await b.last(b.keys.metrics())
+            assert metric.step == 5 and metric.values["packer/stale_groups"] == 1
+            assert metric.values["packer/samples"] == 4
+            assert await b.state_get(LAST_STEP_FIELD) == "5"
+
+    asyncio.run(main())
+
+
+def start_packer(cfg_file: Path, pause_s: float | None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop(PAUSE_ENV, None)
+    if pause_s is not None:
+        env[PAUSE_ENV] = str(pause_s)
+    return subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "packer", "@", str(cfg_file), "--consumer", "packer-0"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if needle in line:
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"packer exited ({proc.returncode}) before logging {needle!r}")
+    raise AssertionError(f"packer did not log {needle!r} within {timeout_s}s")
+
+
+def test_kill_9_between_read_and_commit_then_restart(bus, redis_url, run_name, model_dir, tmp_path):
+    cfg_file = tmp_path / "cfg.toml"
+    cfg_file.write_text(
+        f'[run]\nname = "{run_name}"\n[redis]\nurl = "{redis_url}"\nblock_ms = 100\n'
+        f'[model]\npath = "{model_dir}"\n[[env]]\nid = "reverse_text"\nname = "{ENV}"\ngroup_size = 2\n'
+        f"[packer]\nbatch_size = 4\nseq_len = 32\n"
+    )
+
+    async def publish():
+        async with bus("test") as b:
+            for uid in range(1, 4):  # 6 samples: one step of 4 (two groups), one group left over
+                await b.publish(b.keys.filtered(ENV), group(uid, [float(uid), 0.0]))
+
+    async def check():
+        async with bus("test") as b:
+            batches = await micro_batches(b, 1)
+            stream = b.keys.filtered(ENV)
+            return (
+                batches,
+                await b.state_get(LAST_STEP_FIELD),
+                await pending(b, stream, GROUP_PACKER),
+                await b.redis.exists(b.keys.batches(2)),
+            )
+
+    asyncio.run(publish())
+    first = start_packer(cfg_file, pause_s=60)
+    try:
+        wait_for_line(first, "packer_commit_paused")
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        first.kill()
+    batches, last_step, pending_count, _ = asyncio.run(check())
+    assert batches == [] and last_step is None and pending_count == 3  # read, nothing committed
+
+    second = start_packer(cfg_file, pause_s=None)
+    try:
+        wait_for_line(second, "batch_packed")
+        time.sleep(0.5)  # a second build of step 1 would land now
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(10)
+    batches, last_step, pending_count, has_step_2 = asyncio.run(check())
+    assert last_step == "1" and not has_step_2
+    assert sorted(mb.index for mb in batches) == list(range(batches[0].count))  # exactly one copy of step 1
+    rewards = sorted(r for mb in batches for r in mb.rewards.tolist())
+    assert rewards == [0.0, 0.0, 1.0, 2.0]  # groups 1 and 2, each sample once
+    assert pending_count == 1  # group 3 stays pending for step 2; groups 1 and 2 acked

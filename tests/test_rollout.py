@@ -1,0 +1,239 @@
+"""The rollout worker against real servers: redis, env servers and the built-in inference server (tiny model)."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from bus.keys import GROUP_ROLLOUT, Keys
+from bus.messages import DeadLetter, RolloutGroup, Task
+from workers.config_loader import load_config
+from workers.feeder import INFLIGHT_FIELD
+from workers.rollout import RolloutWorker
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return str(value)
+
+
+class Stack:
+    """One run with one inference server; each test writes its own config (its own env names)."""
+
+    def __init__(self, tmp: Path, redis_url: str, model_dir: Path):
+        self.tmp, self.redis_url, self.model_dir = tmp, redis_url, model_dir
+        self.run = f"t-{uuid.uuid4().hex[:8]}"
+        self.port = _free_port()
+        self.keys = Keys(self.run)
+        self.redis = redis.Redis.from_url(redis_url)
+        self.procs: list[subprocess.Popen] = []
+
+    def config(self, envs: list[dict], claim_idle_ms: int = 60_000, **rollout) -> Path:
+        sections = {
+            "run": {"name": self.run},
+            "redis": {"url": self.redis_url, "block_ms": 100, "claim_idle_ms": claim_idle_ms},
+            "model": {"path": str(self.model_dir)},
+            "sampling": {"max_completion_tokens": 12},
+            "inference": {"port": self.port, "base_urls": [f"http://127.0.0.1:{self.port}/v1"], "max_model_len": 512,
+                          "num_threads": 1, "max_retries": 0},
+            "rollout": {"retry_delay_s": 0.05, **rollout},
+        }
+        text = "".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in body.items()) for name, body in sections.items())
+        text += "".join("[[env]]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in env.items()) for env in envs)
+        path = self.tmp / f"{uuid.uuid4().hex[:6]}.toml"
+        path.write_text(text)
+        return path
+
+    def spawn(self, role: str, config: Path, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{role}-{len(self.procs)}.log", "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", role, "@", str(config), *args],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def publish(self, tasks: list[Task], inflight: int = 0) -> None:
+        for task in tasks:
+            self.redis.xadd(self.keys.tasks(task.env), task.to_fields())
+        if inflight:
+            self.redis.hincrby(self.keys.state(), INFLIGHT_FIELD, inflight)
+
+    def groups(self, env: str) -> list[RolloutGroup]:
+        return [RolloutGroup.from_fields(f) for _, f in self.redis.xrange(self.keys.rollouts(env))]
+
+    def dead(self) -> list[DeadLetter]:
+        return [DeadLetter.from_fields(f) for _, f in self.redis.xrange(self.keys.dead())]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.redis.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_server, tiny_model_dir):
+    s = Stack(tmp_path_factory.mktemp("rollout"), redis_server, tiny_model_dir)
+    s.spawn("inference", s.config([]), "--server-id", "s0")
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline or s.procs[0].poll() is not None:
+                s.close()
+                pytest.fail(f"inference server did not come up; log: {(s.tmp / 'inference-0.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+    yield s
+    s.close()
+
+
+def _task(env: str, index: int, group_size: int, **kw) -> Task:
+    return Task(task_id=f"{env}:0:{index}", env=env, example_index=index, example_id=str(index),
+                group_size=group_size, **kw)
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_multi_turn_groups_and_a_failing_task(stack):
+    """guess_number episodes: env tokens masked, logprobs those of the served model; a task that keeps
+    failing is dead-lettered after max_retries with its error, and the worker carries on."""
+    env = {"id": "guess_number", "name": f"gn{uuid.uuid4().hex[:4]}", "group_size": 3, "max_turns": 3,
+           "max_retries": 2, "args": {"num_examples": 10}}
+    config = load_config([stack.config([env])], [])
+    name = env["name"]
+    stack.publish([_task(name, 10_000, 3), _task(name, 1, 3), _task(name, 2, 3)], inflight=9)
+
+    async def main():
+        worker = RolloutWorker(config, worker="r-inproc")
+        await worker.setup()
+        running = asyncio.create_task(worker.run())
+        deadline = time.monotonic() + 120
+        while len(stack.groups(name)) < 2 and time.monotonic() < deadline and not running.done():
+            await asyncio.sleep(0.1)
+        worker.request_stop()
+        await running
+        await worker.close()
+
+    asyncio.run(main())
+    dead = stack.dead()
+    assert len(dead) == 1 and dead[0].stream == stack.keys.tasks(name)
+    assert "IndexError" in dead[0].reason and "after 3 attempts" in dead[0].reason
+    assert Task.from_fields(dead[0].fields).example_index == 10_000
+    assert int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == 6  # the dead task's 3 samples released
+    assert stack.redis.xpending(stack.keys.tasks(name), GROUP_ROLLOUT)["pending"] == 0
+
+    groups = stack.groups(name)
+    assert sorted(g.task_id for g in groups) == [f"{name}:0:1", f"{name}:0:2"]
+    _check_samples(groups, stack.model_dir)
+
+
+def _check_samples(groups: list[RolloutGroup], model_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    end, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    multi_turn = 0
+    for group in groups:
+        assert len(group.samples) == 3 and group.timings["total_s"] > 0
+        assert set(group.timings) >= {"wait_gate_s", "generate_s", "env_s", "score_s", "total_s"}
+        for s in group.samples:
+            n = len(s.completion_ids)
+            assert len(s.loss_mask) == len(s.completion_logprobs) == n and s.loss_mask[0]
+            assert np.all(s.completion_logprobs[~s.loss_mask] == 0)
+            assert s.policy_version_start == s.policy_version_end == 0
+            assert 0.0 <= s.reward <= 1.0 and set(s.metrics) == {"guess", "found", "turns"}
+            # Every model turn but a truncated last one ends with <|im_end|>, and env segments follow it.
+            edges = np.flatnonzero(np.diff(s.loss_mask.astype(int)) == -1)  # last model token before env tokens
+            # A turn ends at <|im_end|>, or at <|endoftext|> (also an eos of the tiny model) followed by an
+            # env-side <|im_end|> so the conversation stays well-formed.
+            for i in edges:
+                assert s.completion_ids[i] == end or (s.completion_ids[i] == pad and s.completion_ids[i + 1] == end), \
+                    tok.decode(s.completion_ids[i - 3: i + 3])
+            assert len(edges) == s.turns - 1
+            if s.turns > 1:
+                multi_turn += 1
+                env_text = tok.decode(s.completion_ids[~s.loss_mask])
+                assert "<|im_start|>user\n" in env_text and env_text.endswith("<|im_start|>assistant\n")
+            # The logprobs are the served model's, token by token (temperature 1).
+            ids = torch.tensor(np.concatenate([s.prompt_ids, s.completion_ids]).astype(np.int64))[None]
+            with torch.no_grad():
+                logits = model(ids).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].numpy()[len(s.prompt_ids) - 1:]
+            np.testing.assert_allclose(s.completion_logprobs[s.loss_mask], lp[s.loss_mask], atol=2e-3)
+    assert multi_turn > 0, "no episode went past one turn; the test saw no env tokens"
+
+
+def test_kill_9_mid_group_is_redone_exactly_once(stack):
+    """Two workers share the tasks; one is killed mid-group; every group is published exactly once.
+
+    Steps take 1.5 s, longer than claim_idle_ms, so this also checks that a live worker keeps its
+    running tasks from being claimed by the other."""
+    name = f"slow{uuid.uuid4().hex[:4]}"
+    env = {"id": "tests.rollout_envs:slow_echo", "name": name, "group_size": 2, "args": {"step_s": 1.5}}
+    config = stack.config([env], claim_idle_ms=800)
+    workers = {c: stack.spawn("rollout", config, "--consumer", c) for c in ("ra", "rb")}
+    stream = stack.keys.tasks(name)
+
+    def consumers() -> dict[str, int]:
+        try:
+            return {c["name"].decode(): c["pending"] for c in stack.redis.xinfo_consumers(stream, GROUP_ROLLOUT)}
+        except redis.ResponseError:
+            return {}
+
+    logs = [stack.tmp / f"rollout-{len(stack.procs) - i}.log" for i in (1, 2)]
+    _wait_for(lambda: all("rollout_ready" in log.read_text() for log in logs), 120, "both rollout workers to start")
+    stack.publish([_task(name, i, 2) for i in range(4)])
+    _wait_for(lambda: any(consumers().values()), 30, "a worker to take a task")
+    victim = next(c for c, pending in consumers().items() if pending)
+    os.kill(workers[victim].pid, signal.SIGKILL)
+    workers[victim].wait()
+    assert not stack.groups(name) or len(stack.groups(name)) < 4
+
+    _wait_for(lambda: len(stack.groups(name)) >= 4, 90, "all four groups")
+    time.sleep(2.5)  # anything published twice would show up by now
+    groups = stack.groups(name)
+    assert sorted(g.task_id for g in groups) == sorted(f"{name}:0:{i}" for i in range(4))
+    assert stack.redis.xpending(stream, GROUP_ROLLOUT)["pending"] == 0
+    assert not [d for d in stack.dead() if d.stream == stream]
+    survivor = workers["rb" if victim == "ra" else "ra"]
+    survivor.send_signal(signal.SIGTERM)
+    assert survivor.wait(30) == 0

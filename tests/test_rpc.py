@@ -1,0 +1,135 @@
+"""ZeroMQ RPC: round trip, concurrency, remote errors, timeouts and dead peers."""
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+
+from bus.arrays import from_wire
+from bus.errors import RpcError, RpcTimeoutError
+from bus.rpc import RpcClient, RpcServer
+
+
+async def _slow_echo(value, delay_s):
+    await asyncio.sleep(delay_s)
+    return value
+
+
+def _fail(**_):
+    raise ValueError("bad index 7; use 0..3")
+
+
+HANDLERS = {
+    "add": lambda a, b: a + b,
+    "echo": _slow_echo,
+    "fail": _fail,
+    "array": lambda n: np.arange(n, dtype=np.int32),
+}
+
+
+@asynccontextmanager
+async def served(address="tcp://127.0.0.1:0"):
+    server = RpcServer(address, HANDLERS)
+    server.bind()
+    task = asyncio.ensure_future(server.serve())
+    client = RpcClient(server.address, timeout_s=2.0)
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.close()
+        await task
+
+
+def test_round_trip_tcp_and_ipc(tmp_path):
+    async def main():
+        for address in ("tcp://127.0.0.1:0", f"ipc://{tmp_path}/rpc.sock"):
+            async with served(address) as (_, client):
+                assert await client.call("add", a=2, b=3) == 5
+                assert await client.call("echo", value={"x": [1, "two", b"3"]}, delay_s=0) == {"x": [1, "two", b"3"]}
+                array = from_wire(await client.call("array", n=5))
+                assert array.tolist() == [0, 1, 2, 3, 4]
+
+    asyncio.run(main())
+
+
+def test_concurrent_calls_on_one_client_get_their_own_replies():
+    async def main():
+        async with served() as (_, client):
+            start = time.monotonic()
+            # Later requests finish first: replies must be matched by request id, not order.
+            delays = [0.3 - 0.01 * i for i in range(20)]
+            results = await asyncio.gather(*(client.call("echo", value=i, delay_s=d) for i, d in enumerate(delays)))
+            assert results == list(range(20))
+            assert time.monotonic() - start < 1.5  # served concurrently, not one after another
+
+    asyncio.run(main())
+
+
+def test_handler_error_is_raised_on_the_caller_with_type_and_message():
+    async def main():
+        async with served() as (_, client):
+            with pytest.raises(RpcError, match=r"^ValueError: bad index 7; use 0\.\.3$"):
+                await client.call("fail")
+            with pytest.raises(RpcError, match="unknown method 'nope'"):
+                await client.call("nope")
+            with pytest.raises(RpcError, match="TypeError"):
+                await client.call("add", a=1)
+            assert await client.call("add", a=1, b=1) == 2  # the server keeps serving
+
+    asyncio.run(main())
+
+
+def test_slow_handler_times_out_naming_address_and_method():
+    async def main():
+        async with served() as (server, client):
+            start = time.monotonic()
+            with pytest.raises(RpcTimeoutError) as info:
+                await client.call("echo", value=1, delay_s=5, timeout_s=0.3)
+            assert time.monotonic() - start < 1.0
+            assert server.address in str(info.value) and "'echo'" in str(info.value)
+            assert await client.call("add", a=1, b=2) == 3  # a late reply does not confuse later calls
+
+    asyncio.run(main())
+
+
+def test_dead_peer_fails_within_timeout(tmp_path):
+    async def main():
+        for address in (f"ipc://{tmp_path}/nobody.sock", "tcp://127.0.0.1:1"):
+            client = RpcClient(address, timeout_s=0.5)
+            start = time.monotonic()
+            with pytest.raises(RpcTimeoutError, match=address.replace(".", r"\.")):
+                await client.call("info")
+            assert time.monotonic() - start < 1.5
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_server_gone_mid_session_fails_within_timeout():
+    async def main():
+        server = RpcServer("tcp://127.0.0.1:0", HANDLERS)
+        task = asyncio.ensure_future(server.serve())
+        await asyncio.sleep(0)
+        client = RpcClient(server.address, timeout_s=0.5)
+        assert await client.call("add", a=1, b=1) == 2
+        await server.close()
+        await task
+        start = time.monotonic()
+        with pytest.raises(RpcTimeoutError):
+            await client.call("add", a=1, b=1)
+        assert time.monotonic() - start < 1.5
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_bind_to_busy_address_says_so():
+    async def main():
+        async with served() as (server, _):
+            with pytest.raises(RpcError, match="cannot bind"):
+                RpcServer(server.address, HANDLERS).bind()
+
+    asyncio.run(main())

@@ -1,0 +1,235 @@
+"""`rlbus run` end to end with real processes on the tiny model: counts, kill -9 of every role, resume, replay, learning.
+
+Each test starts `python -m workers.cli run` as a subprocess (plain log lines: stdout is a file) and
+reads what it left: summary.json, metrics.jsonl, the streams.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from bus.keys import GROUP_PACKER, Keys
+from bus.local_redis import LocalRedis, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT = REPO / "configs" / "default.toml"
+
+LEARNING_THRESHOLD = 0.25
+"""The README's claim: the default job's mean training reward over its last 20 steps exceeds this."""
+
+
+def start_run(out: Path, model_dir: Path, *overrides: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "workers.cli", "run", "@", str(DEFAULT), "--run.output_dir", str(out),
+            "--model.path", str(model_dir), "--inference.port", str(free_port()), *overrides, *extra]
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out.parent / f"{out.name}.stdout", "w")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def stdout_of(out: Path) -> str:
+    return (out.parent / f"{out.name}.stdout").read_text()
+
+
+def trained_step(out: Path) -> int:
+    steps = re.findall(r"^step (\d+)/", stdout_of(out), flags=re.M)
+    return int(steps[-1]) if steps else 0
+
+
+def wait_exit(proc: subprocess.Popen, out: Path, timeout_s: float) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        pytest.fail(f"run did not finish in {timeout_s}s; its output:\n{stdout_of(out)[-4000:]}")
+
+
+def wait_step(proc: subprocess.Popen, out: Path, step: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while trained_step(out) < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"run never reached step {step}; its output:\n{stdout_of(out)[-4000:]}")
+        time.sleep(0.2)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and int(entry.name) != os.getpid():
+                pids.append(int(entry.name))
+    return pids
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def role_pid(out: Path, role: str) -> int:
+    marker = f"workers.cli {role} @ {out / 'config.resolved.toml'}"
+    pids = processes_mentioning(marker)
+    assert pids, f"no {role} process of {out}"
+    return pids[0]
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def metric_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_counts_add_up(groups: dict) -> None:
+    parts = groups["trained"] + groups["filtered"] + groups["stale"] + groups["dead_lettered"] + groups["in_flight"]
+    assert groups["unaccounted"] == 0 and groups["produced"] == parts, groups
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_few_steps_end_to_end(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    started = time.monotonic()
+    proc = start_run(out, tiny_model_dir, "--run.max_steps", "3", "--eval.interval", "2", "--eval.env.0.num_examples", "8")
+    assert wait_exit(proc, out, 120) == 0, stdout_of(out)[-4000:]
+    assert time.monotonic() - started < 60
+    s = summary(out)
+    assert s["steps_trained"] == 3 and s["stopped_because"] == "max_steps"
+    assert_counts_add_up(s["groups"])
+    assert s["groups"]["trained"] > 0
+    assert s["reward"]["first"]["step"] == 1 and s["reward"]["last"]["step"] == 3
+    assert set(s["eval"]) == {"0", "2", "3"}
+    for step, values in s["eval"].items():  # each eval ran on exactly the policy it is labelled with
+        assert values["eval/echo_chars_eval/policy_version_min"] == int(step), values
+        assert values["eval/echo_chars_eval/policy_version_max"] == int(step), values
+    assert (out / "report.png").stat().st_size > 10_000
+    assert {r["source"] for r in metric_rows(out)} >= {"trainer", "packer", "eval"}
+    assert "step 3/3" in stdout_of(out)
+    assert not processes_mentioning(str(out)), "children outlived the run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_kill_9_of_each_role_still_reaches_max_steps(tmp_path, tiny_model_dir, redis_url, run_name):
+    out = tmp_path / "run"
+    steps = 14
+    proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--run.name", run_name, "--redis.url", redis_url,
+                     "--redis.claim_idle_ms", "2000", "--ckpt.interval", "1", "--eval.env", "none")
+    kills = [(2, "rollout"), (4, "filter"), (6, "packer"), (8, "trainer"), (10, "inference"), (12, "env")]
+    for at, role in kills:
+        wait_step(proc, out, at, timeout_s=180)
+        pid = children_of(role_pid(out, "rollout"))[0] if role == "env" else role_pid(out, role)
+        os.kill(pid, signal.SIGKILL)
+    assert wait_exit(proc, out, 300) == 0, stdout_of(out)[-4000:]
+    s = summary(out)
+    assert s["steps_trained"] == steps
+    for _, role in kills[:-1]:
+        assert s["restarts"][role] >= 1, s["restarts"]
+    assert_counts_add_up(s["groups"])
+    trainer_steps = [r["step"] for r in metric_rows(out) if r["source"] == "trainer"]
+    assert sorted(trainer_steps) == list(range(1, steps + 1)), "a step was trained twice (or skipped)"
+    client, keys = redis.Redis.from_url(redis_url), Keys(run_name)
+    for step in range(1, steps + 1):  # each step built once: exactly `count` micro-batches
+        entries = client.xrange(keys.batches(step))
+        assert len(entries) == int(entries[0][1][b"count"]), f"batches:{step} was built more than once"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_resume_continues_and_uses_in_flight_rollouts(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    args = ("--run.max_steps", "10", "--eval.env", "none", "--ckpt.interval", "2")
+    proc = start_run(out, tiny_model_dir, *args)
+    wait_step(proc, out, 4)
+    proc.send_signal(signal.SIGTERM)
+    assert wait_exit(proc, out, 120) == 0
+    first = summary(out)
+    assert first["stopped_because"] == "signal" and first["steps_trained"] < 10
+    assert not processes_mentioning(str(out))
+    # What was in flight when it stopped: groups not yet consumed by the packer.
+    with LocalRedis(dir=out / "redis") as server:
+        client, keys = redis.Redis.from_url(server.url), Keys("default")
+        waiting = _unconsumed_ids(client, keys.filtered("echo_chars"), GROUP_PACKER)
+    proc = start_run(out, tiny_model_dir, *args, extra=("--resume",))
+    assert wait_exit(proc, out, 300) == 0, stdout_of(out)[-4000:]
+    final = summary(out)
+    assert final["steps_trained"] == 10 and final["stopped_because"] == "max_steps"
+    assert_counts_add_up(final["groups"])
+    with LocalRedis(dir=out / "redis") as server:
+        client = redis.Redis.from_url(server.url)
+        assert not waiting & _unconsumed_ids(client, keys.filtered("echo_chars"), GROUP_PACKER), \
+            "groups in flight at the stop were never consumed after --resume"
+    trainer_steps = [r["step"] for r in metric_rows(out) if r["source"] == "trainer"]
+    assert set(trainer_steps) == set(range(1, 11))
+
+
+def _unconsumed_ids(client: redis.Redis, stream: str, group: str) -> set[bytes]:
+    info = {g["name"]: g for g in client.xinfo_groups(stream)}[group.encode()]
+    pending = {p["message_id"] for p in client.xpending_range(stream, group, "-", "+", 100_000)}
+    undelivered = {i for i, _ in client.xrange(stream, min=b"(" + info["last-delivered-id"])}
+    return pending | undelivered
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_replayed_batches_reproduce_the_losses(tmp_path, tiny_model_dir, redis_url, run_name):
+    out = tmp_path / "a"
+    proc = start_run(out, tiny_model_dir, "--run.max_steps", "3", "--run.name", run_name, "--redis.url", redis_url,
+                     "--eval.env", "none")
+    assert wait_exit(proc, out, 120) == 0, stdout_of(out)[-4000:]
+    replayed = run_name + "-b"
+    cli = [sys.executable, "-m", "workers.cli"]
+    done = subprocess.run([*cli, "replay", "--from-run", run_name, "--to-run", replayed, "--stream", "batches",
+                           "--redis-url", redis_url], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    trainer = subprocess.run([*cli, "trainer", "@", str(out / "config.resolved.toml"), "--run.name", replayed,
+                              "--run.output_dir", str(tmp_path / "b")], capture_output=True, text=True, cwd=REPO,
+                             timeout=180)
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    from bus.messages import Metric, decode
+
+    def losses(run: str) -> dict[int, float]:
+        rows = redis.Redis.from_url(redis_url).xrange(Keys(run).metrics())
+        metrics = [decode(f) for _, f in rows]
+        return {m.step: m.values["loss"] for m in metrics if isinstance(m, Metric) and m.source == "trainer"}
+
+    original, again = losses(run_name), losses(replayed)
+    assert sorted(original) == [1, 2, 3] and sorted(again) == [1, 2, 3]
+    for step in original:
+        assert again[step] == pytest.approx(original[step], rel=1e-5, abs=1e-7), (step, original, again)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_default_job_learns_within_ten_minutes(tmp_path, tiny_model_dir):
+    out = tmp_path / "default"
+    started = time.monotonic()
+    proc = start_run(out, tiny_model_dir)
+    assert wait_exit(proc, out, 600) == 0, stdout_of(out)[-4000:]
+    assert time.monotonic() - started < 600
+    rewards = {r["step"]: r["reward_mean"] for r in metric_rows(out) if r["source"] == "trainer"}
+    last = [rewards[s] for s in sorted(rewards)[-20:]]
+    first = [rewards[s] for s in sorted(rewards)[:5]]
+    assert sum(first) / len(first) < 0.15, "the random-init baseline is ~0.07"
+    assert sum(last) / len(last) > LEARNING_THRESHOLD, (sum(last) / len(last), summary(out)["reward"])

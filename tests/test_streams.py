@@ -1,0 +1,288 @@
+"""The bus against a real redis-server: groups, dead letters, reclaim, atomic commits, trimming, policy versions."""
+
+import asyncio
+import time
+
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.asyncio.connection import Connection
+
+from bus.errors import RedisNotInstalledError
+from bus.local_redis import LocalRedis
+from bus.messages import DeadLetter, Metric, Task
+from bus.policy import PolicyTracker, publish_served, publish_trained
+from bus.resp import fast_packing
+from bus.streams import CommitConflict, Entry
+
+GROUP = "rollout"
+
+
+def task(i: int) -> Task:
+    return Task(task_id=f"e:0:{i}", env="e", example_index=i, example_id=str(i), group_size=2)
+
+
+def test_publish_read_ack(bus):
+    async def main():
+        async with bus("w1") as b:
+            stream = b.keys.tasks("e")
+            ids = await b.publish_many(stream, [task(i) for i in range(5)])
+            assert ids == sorted(ids) and len(set(ids)) == 5
+            entries = await b.read_group([stream], GROUP, count=3)
+            assert [e.message.task_id for e in entries] == ["e:0:0", "e:0:1", "e:0:2"]
+            assert all(isinstance(e, Entry) and e.deliveries == 1 and e.stream == stream for e in entries)
+            await b.ack(stream, GROUP, [e.id for e in entries])
+            rest = await b.read_group([stream], GROUP, count=10)
+            assert [e.id for e in rest] == ids[3:]
+            assert await b.read_group([stream], GROUP, count=10) == []
+            pending = await b.redis.xpending(stream, GROUP)
+            assert pending["pending"] == 2
+
+    asyncio.run(main())
+
+
+def test_read_group_blocks_until_an_entry_arrives(bus):
+    async def main():
+        async with bus("reader") as b, bus("writer") as w:
+            stream = b.keys.tasks("e")
+            await b.ensure_group(stream, GROUP)
+            reader = asyncio.create_task(b.read_group([stream], GROUP, block_ms=5000))
+            await asyncio.sleep(0.1)
+            await w.publish(stream, task(0))
+            entries = await asyncio.wait_for(reader, 5)
+            assert [e.message.task_id for e in entries] == ["e:0:0"]
+
+    asyncio.run(main())
+
+
+def test_malformed_entry_is_dead_lettered_and_consumer_keeps_going(bus):
+    async def main():
+        async with bus("w1") as b:
+            stream = b.keys.tasks("e")
+            await b.publish(stream, task(0))
+            bad_id = (await b.redis.xadd(stream, {"kind": "task", "v": "1", "data": b"\xc1garbage"})).decode()
+            await b.publish(stream, task(2))
+            entries = await b.read_group([stream], GROUP, count=10)
+            assert [e.message.task_id for e in entries] == ["e:0:0", "e:0:2"]
+            dead = await b.read_fanout(b.keys.dead())
+            assert len(dead) == 1
+            letter = dead[0][1]
+            assert isinstance(letter, DeadLetter)
+            assert letter.entry_id == bad_id and letter.stream == stream and letter.worker == "w1"
+            assert "not valid msgpack" in letter.reason
+            assert letter.fields["data"] == b"\xc1garbage"
+            pending_ids = {p["message_id"].decode() for p in await b.redis.xpending_range(stream, GROUP, "-", "+", 10)}
+            assert bad_id not in pending_ids and len(pending_ids) == 2
+
+    asyncio.run(main())
+
+
+def test_dead_consumer_entries_are_reclaimed_once(bus):
+    async def main():
+        async with bus("dies", claim_idle_ms=200) as a, bus("survivor", claim_idle_ms=200) as b:
+            stream = a.keys.tasks("e")
+            await a.publish_many(stream, [task(i) for i in range(6)])
+            taken = await a.read_group([stream], GROUP, count=4)  # then "dies" without acking
+            assert len(taken) == 4
+            assert await b.reclaim(stream, GROUP) == []  # not idle long enough yet
+            fresh = await b.read_group([stream], GROUP, count=10)
+            await b.ack(stream, GROUP, [e.id for e in fresh])
+            processed = [e.message.task_id for e in fresh]
+            await asyncio.sleep(0.3)
+            reclaimed = await b.reclaim(stream, GROUP)
+            assert all(e.deliveries == 2 for e in reclaimed)
+            processed += [e.message.task_id for e in reclaimed]
+            await b.ack(stream, GROUP, [e.id for e in reclaimed])
+            await asyncio.sleep(0.3)
+            assert await b.reclaim(stream, GROUP) == []
+            assert sorted(processed) == sorted(f"e:0:{i}" for i in range(6))
+            consumers = {c["name"].decode(): c["pending"] for c in await b.redis.xinfo_consumers(stream, GROUP)}
+            assert consumers["dies"] == 0
+
+    asyncio.run(main())
+
+
+def test_entry_delivered_more_than_max_deliveries_goes_dead(bus):
+    async def main():
+        cfg = {"claim_idle_ms": 100, "max_deliveries": 2}
+        async with bus("a", **cfg) as a, bus("b", **cfg) as b, bus("c", **cfg) as c:
+            stream = a.keys.tasks("e")
+            await a.publish(stream, task(0))
+            assert len(await a.read_group([stream], GROUP)) == 1  # delivery 1
+            await asyncio.sleep(0.15)
+            assert len(await b.reclaim(stream, GROUP)) == 1  # delivery 2
+            await asyncio.sleep(0.15)
+            assert await c.reclaim(stream, GROUP) == []  # delivery 3 > 2: dead
+            letter = (await c.last(c.keys.dead()))[1]
+            assert letter.deliveries == 3 and "max_deliveries=2" in letter.reason
+            assert (await c.redis.xpending(stream, GROUP))["pending"] == 0
+
+    asyncio.run(main())
+
+
+def test_commit_acks_and_publishes_together(bus):
+    async def main():
+        async with bus("w1") as b:
+            tasks, out = b.keys.tasks("e"), b.keys.metrics()
+            await b.publish_many(tasks, [task(0), task(1)])
+            entries = await b.read_group([tasks], GROUP)
+            ids = await b.commit(
+                [(tasks, GROUP, e.id) for e in entries],
+                [(out, Metric(source="t", values={"n": 1.0})), (out, Metric(source="t", values={"n": 2.0}))],
+                extra=lambda pipe: pipe.hincrby(b.keys.state(), "inflight", -2),
+            )
+            assert len(ids) == 2 and await b.redis.xlen(out) == 2
+            assert (await b.redis.xpending(tasks, GROUP))["pending"] == 0
+            assert await b.state_get("inflight") == "-2"
+
+    asyncio.run(main())
+
+
+def test_commit_failure_between_acks_and_outputs_leaves_neither(bus):
+    async def main():
+        async with bus("w1") as b:
+            tasks, out = b.keys.tasks("e"), b.keys.metrics()
+            await b.publish(tasks, task(0))
+            entries = await b.read_group([tasks], GROUP)
+            acks = [(tasks, GROUP, e.id) for e in entries]
+            outputs = [(out, Metric(source="t", values={"n": 1.0}))]
+
+            def boom(*args):
+                raise RuntimeError("injected: died after queuing the acks")
+
+            b._xadd = boom
+            with pytest.raises(RuntimeError, match="injected"):
+                await b.commit(acks, outputs)
+            del b._xadd
+            assert (await b.redis.xpending(tasks, GROUP))["pending"] == 1
+            assert await b.redis.xlen(out) == 0
+
+            def failing_extra(pipe):
+                raise RuntimeError("injected in extra")
+
+            with pytest.raises(RuntimeError, match="injected in extra"):
+                await b.commit(acks, outputs, extra=failing_extra)
+            assert (await b.redis.xpending(tasks, GROUP))["pending"] == 1
+            assert await b.redis.xlen(out) == 0
+            await b.commit(acks, outputs)  # the connection is still usable
+            assert (await b.redis.xpending(tasks, GROUP))["pending"] == 0 and await b.redis.xlen(out) == 1
+
+    asyncio.run(main())
+
+
+def test_commit_guard(bus, redis_url):
+    async def main():
+        async with bus("w1") as b:
+            state, out = b.keys.state(), b.keys.metrics()
+            metric = Metric(source="packer", values={})
+            step = lambda n: lambda pipe: pipe.hset(state, "packer:last_step", n)  # noqa: E731
+            await b.commit([], [(out, metric)], guard=(state, "packer:last_step", None), extra=step(1))
+            with pytest.raises(CommitConflict, match="expected None"):
+                await b.commit([], [(out, metric)], guard=(state, "packer:last_step", None), extra=step(1))
+            await b.commit([], [(out, metric)], guard=(state, "packer:last_step", "1"), extra=step(2))
+            assert await b.state_get("packer:last_step") == "2" and await b.redis.xlen(out) == 2
+
+            other = redis.Redis.from_url(redis_url)
+
+            def racing_writer(pipe):  # another packer commits between WATCH and EXEC
+                other.hset(state, "packer:last_step", 3)
+                step(3)(pipe)
+
+            with pytest.raises(CommitConflict, match="changed during the commit"):
+                await b.commit([], [(out, metric)], guard=(state, "packer:last_step", "2"), extra=racing_writer)
+            other.close()
+            assert await b.redis.xlen(out) == 2
+
+    asyncio.run(main())
+
+
+def test_maxlen_trims_approximately(bus):
+    async def main():
+        async with bus("w1", maxlen=50) as b:
+            stream = b.keys.metrics()
+            for i in range(0, 1000, 100):
+                await b.publish_many(stream, [Metric(source="t", values={"i": float(j)}) for j in range(i, i + 100)])
+            length = await b.redis.xlen(stream)
+            assert 50 <= length <= 50 + 100  # ~ trims whole macro nodes (100 entries each)
+            _, newest = await b.last(stream)
+            assert newest.values == {"i": 999.0}
+
+    asyncio.run(main())
+
+
+def test_read_fanout_and_state(bus):
+    async def main():
+        async with bus("w1") as b:
+            stream = b.keys.weights()
+            assert await b.last(stream) is None
+            ids = await b.publish_many(stream, [Metric(source="t", values={"i": float(i)}) for i in range(5)])
+            first = await b.read_fanout(stream, count=3)
+            assert [i for i, _ in first] == ids[:3]
+            rest = await b.read_fanout(stream, first[-1][0])
+            assert [m.values["i"] for _, m in rest] == [3.0, 4.0]
+            assert await b.read_fanout(stream, rest[-1][0]) == []
+            await b.redis.xadd(stream, {"kind": "metric", "v": "1", "data": b"junk"})
+            good = await b.publish(stream, Metric(source="t", values={}))
+            assert [i for i, _ in await b.read_fanout(stream, ids[-1])] == [good]
+
+            assert await b.state_get("x") is None
+            await b.state_set(x=1, y="a")
+            assert await b.state_get("x") == "1" and await b.state_incr("x", 4) == 5
+
+    asyncio.run(main())
+
+
+def test_policy_tracker(bus):
+    async def main():
+        async with bus("trainer") as b, bus("rollout") as r:
+            tracker = PolicyTracker(r)
+            await tracker.refresh()
+            assert (tracker.trained, tracker.served) == (0, 0)
+            await publish_trained(b, 1)
+            await publish_served(b, "s0", 1)
+            await publish_served(b, "s1", 0)
+            assert await tracker.refresh()
+            assert (tracker.trained, tracker.served, tracker.served_by) == (1, 0, {"s0": 1, "s1": 0})
+            with pytest.raises(TimeoutError, match="served_by"):
+                await tracker.wait(lambda t: t.served >= 1, timeout_s=0.2)
+
+            async def later():
+                await asyncio.sleep(0.1)
+                await publish_served(b, "s1", 1)
+
+            started = time.monotonic()
+            await asyncio.gather(tracker.wait(lambda t: t.served >= 1, timeout_s=5), later())
+            assert tracker.served == 1 and time.monotonic() - started < 3
+
+    asyncio.run(main())
+
+
+def test_local_redis_without_binary_says_how_to_install(monkeypatch):
+    monkeypatch.setattr("bus.local_redis.shutil.which", lambda name: None)
+    with pytest.raises(RedisNotInstalledError, match="apt-get install -y redis-server"):
+        LocalRedis().start()
+
+
+def test_local_redis_starts_and_stops(tmp_path):
+    with LocalRedis(dir=tmp_path) as server:
+        url = server.url
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        assert client.config_get("appendonly")["appendonly"] == "yes"
+        client.close()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+
+
+args = st.lists(
+    st.one_of(st.binary(max_size=7000), st.text(max_size=50), st.integers(), st.floats(allow_nan=False)),
+    max_size=12,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(["XADD", "XINFO STREAM", b"HSET", b"CONFIG GET"]), args)
+def test_fast_packing_matches_redis_py(command, rest):
+    fast, plain = fast_packing(Connection)(), Connection()
+    assert b"".join(fast.pack_command(command, *rest)) == b"".join(plain.pack_command(command, *rest))

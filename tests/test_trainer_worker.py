@@ -1,0 +1,132 @@
+"""The trainer worker against a real redis-server: steps, weights events, versions, resume, 2 ranks."""
+
+import asyncio
+
+import torch
+from trainer_helpers import save_tiny_model, step_batches
+
+from bus.messages import Metric, PolicyVersion, WeightUpdate
+from trainer.weights import read_weights, verify_weights
+from trainer.worker import TrainerWorker, main
+from workers.config import RlbusConfig
+from workers.lifecycle import run_worker
+
+torch.set_num_threads(1)
+
+
+def make_config(redis_url, run_name, out, model_dir, **sections):
+    base = {
+        "run": {"name": run_name, "output_dir": str(out), "max_steps": 4},
+        "redis": {"url": redis_url, "block_ms": 100},
+        "model": {"path": str(model_dir)},
+        "trainer": {"lr": 1e-2, "device": "cpu", "keep_weights": 2},
+        "ckpt": {"interval": 1},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return RlbusConfig.model_validate(base)
+
+
+async def publish_steps(bus, steps, count=2, run=None):
+    async with bus("packer", run=run) as b:
+        for step in steps:
+            await b.publish_many(b.keys.batches(step), step_batches(step, count))
+
+
+async def stream(bus, key_fn, run=None):
+    async with bus("reader", run=run) as b:
+        return [m for _, m in await b.read_fanout(key_fn(b.keys), "0", count=1000)]
+
+
+def train(config):
+    asyncio.run(run_worker(TrainerWorker(config)))
+
+
+def test_resume_matches_straight_run_and_publishes_versions(tmp_path, redis_url, bus, run_name):
+    model_dir = save_tiny_model(tmp_path / "model")
+    asyncio.run(publish_steps(bus, range(1, 5)))
+    straight = make_config(redis_url, run_name, tmp_path / "a", model_dir)
+    train(straight)
+
+    policy = asyncio.run(stream(bus, lambda k: k.policy()))
+    assert [(p.role, p.step) for p in policy if isinstance(p, PolicyVersion)] == [("trained", s) for s in range(5)]
+    weights = [w for w in asyncio.run(stream(bus, lambda k: k.weights())) if isinstance(w, WeightUpdate)]
+    assert [w.step for w in weights] == [1, 2, 3, 4] and all(w.format == "safetensors" for w in weights)
+    verify_weights(weights[-1].dir, weights[-1].files)
+    assert sorted(p.name for p in (tmp_path / "a" / "weights").iterdir()) == ["step_3", "step_4"]  # keep_weights=2
+    metrics = [m for m in asyncio.run(stream(bus, lambda k: k.metrics())) if isinstance(m, Metric)]
+    assert [m.step for m in metrics] == [1, 2, 3, 4] and "loss/rl" in metrics[0].values
+
+    resumed_run = run_name + "-b"
+    asyncio.run(publish_steps(bus, range(1, 5), run=resumed_run))
+    first = make_config(redis_url, resumed_run, tmp_path / "b", model_dir, run={"max_steps": 2})
+    train(first)
+    second = make_config(redis_url, resumed_run, tmp_path / "b", model_dir, ckpt={"resume_step": -1})
+    train(second)
+    versions = asyncio.run(stream(bus, lambda k: k.policy(), run=resumed_run))
+    assert [p.step for p in versions if isinstance(p, PolicyVersion)] == [0, 1, 2, 2, 3, 4]  # step 2 re-published
+    a = read_weights(tmp_path / "a" / "weights" / "step_4")
+    b = read_weights(tmp_path / "b" / "weights" / "step_4")
+    for name, tensor in a.items():
+        assert torch.allclose(tensor, b[name], atol=1e-6, rtol=0), name
+
+
+def test_two_spawned_ranks_match_one_rank(tmp_path, redis_url, bus, run_name):
+    model_dir = save_tiny_model(tmp_path / "model")
+    asyncio.run(publish_steps(bus, [1], count=4))
+    one = make_config(redis_url, run_name, tmp_path / "one", model_dir, run={"max_steps": 1}, ckpt={"interval": None})
+    train(one)
+    asyncio.run(publish_steps(bus, [1], count=4, run=run_name + "-2"))
+    two = make_config(redis_url, run_name + "-2", tmp_path / "two", model_dir, run={"max_steps": 1},
+                      ckpt={"interval": None}, trainer={"num_threads": 1})
+    assert main(two, ["--nproc", "2"]) == 0
+    a = read_weights(tmp_path / "one" / "weights" / "step_1")
+    b = read_weights(tmp_path / "two" / "weights" / "step_1")
+    for name, tensor in a.items():
+        assert torch.allclose(tensor, b[name], atol=1e-5, rtol=0), name
+
+
+def _follow_broadcast(redis_url, run, out_path):
+    """A stand-in inference server: read the first nccl weights event, join the gloo broadcast, save the tensors."""
+    torch.set_num_threads(1)
+    from bus.streams import Bus
+    from trainer.broadcast import receive_weights
+    from workers.config import RedisConfig
+
+    async def follow():
+        b = await Bus.connect(redis_url, run, RedisConfig(url=redis_url), "server-0")
+        try:
+            while True:
+                for _, event in await b.read_fanout(b.keys.weights(), "0", block_ms=100):
+                    if isinstance(event, WeightUpdate):
+                        return event
+        finally:
+            await b.close()
+
+    event = asyncio.run(follow())
+    tensors = receive_weights(event, "cpu", timeout_s=60)
+    torch.save({"step": event.step, "tensors": tensors}, out_path)
+
+
+def test_nccl_transport_broadcasts_to_a_follower_over_gloo(tmp_path, redis_url, bus, run_name):
+    import multiprocessing as mp
+
+    from trainer.dist import free_port
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    asyncio.run(publish_steps(bus, [1]))
+    config = make_config(redis_url, run_name, tmp_path / "out", model_dir, run={"max_steps": 1},
+                         trainer={"weight_transport": "nccl", "nccl_port": free_port(), "broadcast_timeout_s": 60})
+    follower = mp.get_context("spawn").Process(target=_follow_broadcast,
+                                               args=(redis_url, run_name, str(tmp_path / "got.pt")))
+    follower.start()
+    train(config)
+    follower.join(timeout=60)
+    got = torch.load(tmp_path / "got.pt", weights_only=True)
+    trained = torch.load(tmp_path / "out" / "checkpoints" / "step_1" / "trainer.pt", weights_only=True)["model"]
+    assert got["step"] == 1
+    for name, tensor in got["tensors"].items():
+        assert torch.equal(tensor, trained["lm." + name]), name
+    assert not (tmp_path / "out" / "weights").exists()
+    versions = asyncio.run(stream(bus, lambda k: k.policy()))
+    assert [p.step for p in versions if isinstance(p, PolicyVersion)] == [0, 1]

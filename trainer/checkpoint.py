@@ -1,0 +1,106 @@
+"""Trainer checkpoints: model, optimizer, scheduler, RNG states and step, written atomically.
+
+``output_dir/checkpoints/step_{s}/trainer.pt`` holds full (unsharded) state dicts keyed by parameter
+name, so a checkpoint written by W ranks resumes on any number of ranks. The file is written into a
+temp dir that is then renamed. ``keep_last`` newest checkpoints are kept, plus every step that is a
+multiple of ``keep_interval``.
+"""
+
+import random
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bus.errors import ConfigError
+from trainer.dist import DistContext, barrier
+from workers.config import CkptConfig
+
+FILE_NAME = "trainer.pt"
+
+
+class Checkpointer:
+    """Saves, finds, loads and prunes the trainer checkpoints of one run."""
+
+    def __init__(self, output_dir: Path | str, cfg: CkptConfig, ctx: DistContext):
+        self.root = Path(output_dir) / "checkpoints"
+        self.cfg, self.ctx = cfg, ctx
+
+    def steps(self) -> list[int]:
+        """Steps with a complete checkpoint, oldest first."""
+        found = (p for p in self.root.glob("step_*") if (p / FILE_NAME).exists())
+        return sorted(int(p.name.removeprefix("step_")) for p in found if p.name.removeprefix("step_").isdigit())
+
+    def resolve(self, resume_step: int | None) -> int | None:
+        """The step to resume from: None = fresh start; -1 = the latest (None when there is none)."""
+        if resume_step is None:
+            return None
+        steps = self.steps()
+        if resume_step == -1:
+            return steps[-1] if steps else None
+        if resume_step not in steps:
+            raise ConfigError(f"ckpt.resume_step={resume_step} has no checkpoint under {self.root} "
+                              f"(found {steps}); use one of them or -1 for the latest")
+        return resume_step
+
+    def due(self, step: int) -> bool:
+        return self.cfg.interval is not None and step % self.cfg.interval == 0
+
+    def save(self, step: int, policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> Path:
+        """Write the checkpoint of ``step`` (every rank takes part in gathering; rank 0 writes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(policy, optimizer, options=options)
+        final = self.root / f"step_{step}"
+        if self.ctx.is_main:
+            state = {"step": step, "model": model_state, "optimizer": optim_state,
+                     "scheduler": scheduler.state_dict(), "rng": _rng_state()}
+            tmp = self.root / f".tmp-step_{step}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir(parents=True)
+            torch.save(state, tmp / FILE_NAME)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self.prune()
+        barrier(self.ctx)
+        return final
+
+    def load(self, step: int, policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
+        """Restore model, optimizer, scheduler and RNG states from the checkpoint of ``step``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        state = torch.load(self.root / f"step_{step}" / FILE_NAME, map_location="cpu", weights_only=True)
+        set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+        scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+
+    def prune(self) -> list[int]:
+        """Delete checkpoints beyond ``keep_last``, except multiples of ``keep_interval``."""
+        if self.cfg.keep_last is None:
+            return []
+        steps = self.steps()
+        keep = set(steps[-self.cfg.keep_last :])
+        if self.cfg.keep_interval:
+            keep |= {s for s in steps if s % self.cfg.keep_interval == 0}
+        doomed = [s for s in steps if s not in keep]
+        for s in doomed:
+            shutil.rmtree(self.root / f"step_{s}", ignore_errors=True)
+        return doomed
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,103 @@
+"""Token logprobs and entropy of packed samples, computed in chunks over the sequence.
+
+The head's ``[tokens, vocab]`` fp32 logits are never materialised: :class:`ChunkedLogprobs`
+computes ``chunk_size`` rows at a time in the forward pass and recomputes them in the backward
+pass, so logits memory is ``chunk_size × vocab`` whatever the sequence length (the 150k-vocab
+case on GPU). Logits are divided by each token's sampling temperature before the softmax.
+
+Packed samples never attend across their boundaries: position ids restart at 0 per sample and
+transformers (SDPA attention, no 2-D attention mask) turns that into a block-diagonal causal mask;
+``tests/test_trainer.py`` checks packed == unpacked logprobs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """``log softmax(h Wᵀ / τ)[target]`` and the entropy of that distribution, chunk by chunk.
+
+    Shapes: hidden ``[T, H]``, weight ``[V, H]``, targets ``[T]`` (int64), inv_temp ``[T]`` (fp32)
+    → logprobs ``[T]`` fp32 (differentiable), entropy ``[T]`` fp32 (a metric: no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk_size: int):
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            logits = (hidden[start:end] @ weight.t()).float() * inv_temp[start:end, None]
+            lse = logits.logsumexp(-1)
+            logprobs[start:end] = logits.gather(-1, targets[start:end, None])[:, 0] - lse
+            probs = (logits - lse[:, None]).exp_()
+            entropy[start:end] = lse - (probs * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, inv_temp)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
+        hidden, weight, targets, inv_temp = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        rows = torch.arange(ctx.chunk_size, device=hidden.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            logits = (h @ weight.t()).float() * inv_temp[start:end, None]
+            # d logp[target] / d logits = onehot(target) - softmax, times the incoming gradient and 1/τ.
+            grad = logits.softmax(-1).mul_(-grad_logprobs[start:end, None])
+            grad[rows[: end - start], targets[start:end]] += grad_logprobs[start:end]
+            grad = grad.mul_(inv_temp[start:end, None]).to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad @ weight
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ h).float()
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+@dataclass
+class TokenLogprobs:
+    """Per-token outputs of :class:`PolicyModel`, aligned with ``input_ids`` (entry 0 of each sample is 0)."""
+
+    logprobs: Tensor
+    """``[T]`` fp32 logprob of token t given the sample's tokens before it (differentiable)."""
+    entropy: Tensor
+    """``[T]`` fp32 entropy of the distribution token t was drawn from (no gradient)."""
+
+
+class PolicyModel(nn.Module):
+    """A causal LM whose forward returns token logprobs of a packed sequence instead of logits.
+
+    Works for any transformers causal LM whose output head is a bias-free ``nn.Linear``
+    (tied or not). ``lm`` stays reachable as ``.lm`` (its state dict is the Hugging Face one).
+    """
+
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024):
+        super().__init__()
+        head = lm.get_output_embeddings()
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            raise ValueError(f"{type(lm).__name__}: output head {type(head).__name__} is not a bias-free Linear")
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, temperatures: Tensor) -> TokenLogprobs:
+        """input_ids, position_ids ``[T]`` int64; temperatures ``[T]`` fp32 (token t's sampling temperature)."""
+        out = self.lm.base_model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+        hidden = out.last_hidden_state[0]
+        temps = temperatures[1:].float()
+        inv_temp = torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), torch.ones_like(temps))
+        weight = self.lm.get_output_embeddings().weight
+        logprobs, entropy = ChunkedLogprobs.apply(hidden[:-1], weight, input_ids[1:], inv_temp, self.chunk_size)
+        first = position_ids[1:] == 0  # first token of a sample: not predicted from this sample
+        zero = logprobs.new_zeros(1)
+        logprobs = torch.cat([zero, logprobs.masked_fill(first, 0.0)])
+        entropy = torch.cat([zero, entropy.masked_fill(first, 0.0)])
+        return TokenLogprobs(logprobs=logprobs, entropy=entropy)

@@ -1,0 +1,200 @@
+"""Weights on disk: Hugging Face safetensors shards + index, written atomically, loaded in place.
+
+``save_weights`` writes ``model-0000i-of-0000n.safetensors`` (each at most ``max_shard_mb``),
+``model.safetensors.index.json`` and ``config.json`` into a temp dir next to the target, then
+renames it, so a reader never sees a half-written update. Tied weights are stored once (as
+Hugging Face does); ``load_weights_into`` re-ties them. On GPU the tensors go device-to-host
+through pinned buffers kept between steps (:class:`HostCopy`).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from bus.messages import WeightFile
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def weights_dir(output_dir: Path | str, step: int) -> Path:
+    """``output_dir/weights/step_{step}``."""
+    return Path(output_dir) / "weights" / f"step_{step}"
+
+
+class HostCopy:
+    """Device-to-host copies of a state dict into pinned CPU buffers reused across calls (GPU only)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def __call__(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for name, tensor in state.items():
+            tensor = tensor.detach()
+            if tensor.device.type == "cpu":
+                out[name] = tensor
+                continue
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buf = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            buf.copy_(tensor, non_blocking=True)
+            out[name] = buf
+        if any(t.device.type == "cuda" for t in state.values()):
+            torch.cuda.synchronize()
+        return out
+
+
+def unique_tensors(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Drop later names of tensors sharing storage (tied embeddings: keep ``embed_tokens``, drop ``lm_head``)."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tuple(tensor.shape))
+        if tensor.device.type != "meta" and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor
+    return out
+
+
+def save_weights(
+    model: nn.Module | Mapping[str, Tensor], dir: Path | str, max_shard_mb: float = 1024,
+    host_copy: HostCopy | None = None, config: object | None = None,
+) -> "list[WeightFile]":
+    """Write the model's (or a state dict's) weights as HF safetensors shards to ``dir`` atomically."""
+    from bus.messages import WeightFile
+
+    if isinstance(model, nn.Module):
+        config = config or getattr(model, "config", None)
+        model = model.state_dict()
+    tensors = (host_copy or HostCopy())(unique_tensors(model))
+    return [WeightFile(name=n, bytes=b, sha256=h) for n, b, h in write_shards(tensors, dir, max_shard_mb, config)]
+
+
+def write_shards(
+    tensors: Mapping[str, Tensor], dir: Path | str, max_shard_mb: float, config: object | None = None
+) -> list[tuple[str, int, str]]:
+    """Write host tensors as shards + index (+ config.json) into a temp dir, rename it to ``dir``; (name, bytes, sha256)."""
+    dir = Path(dir)
+    shards = _plan_shards(tensors, int(max_shard_mb * 2**20))
+    tmp = dir.parent / f".tmp-{dir.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    weight_map, digests = {}, []
+    with ThreadPoolExecutor(max_workers=4) as pool:  # hashing (GIL released) overlaps the next shard's write
+        for i, names in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+            save_file({n: tensors[n].contiguous() for n in names}, str(tmp / name), metadata={"format": "pt"})
+            digests.append((name, pool.submit(_sha256, tmp / name)))
+            weight_map.update(dict.fromkeys(names, name))
+        files = [(name, (tmp / name).stat().st_size, d.result()) for name, d in digests]
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    if config is not None and hasattr(config, "to_json_file"):
+        config.to_json_file(tmp / "config.json")
+    if dir.exists():
+        shutil.rmtree(dir)
+    os.rename(tmp, dir)
+    return files
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _plan_shards(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def read_weights(dir: Path | str, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+    """Every tensor of a weights directory (index json or a single ``model.safetensors``)."""
+    dir = Path(dir)
+    index = dir / INDEX_NAME
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    tensors: dict[str, Tensor] = {}
+    for name in names:
+        tensors.update(load_file(dir / name, device=str(device)))
+    return tensors
+
+
+def verify_weights(dir: Path | str, files: "list[WeightFile]") -> None:
+    """Raise ValueError when a shard's size or sha256 differs from the weights event."""
+    for f in files:
+        path = Path(dir) / f.name
+        if path.stat().st_size != f.bytes or _sha256(path) != f.sha256:
+            raise ValueError(f"weights file {Path(dir) / f.name} does not match its event (size or sha256); "
+                             "it was modified or partly written")
+
+
+def load_tensors_into(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
+    """Copy ``tensors`` into the model's parameters/buffers in place; a tied head may be absent."""
+    params = model.state_dict(keep_vars=True)
+    missing = set(params) - set(tensors)
+    tied = {name for name in missing if _is_tied(model, name)}
+    if missing - tied:
+        raise ValueError(f"weights are missing {sorted(missing - tied)[:5]} (of {len(missing - tied)}); "
+                         "they were saved from a different model architecture")
+    unknown = set(tensors) - set(params)
+    if unknown:
+        raise ValueError(f"weights hold tensors the model does not have: {sorted(unknown)[:5]}")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            target = params[name]
+            if target.shape != tensor.shape:
+                raise ValueError(f"{name}: weights shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
+            target.copy_(tensor, non_blocking=True)
+
+
+def _is_tied(model: nn.Module, name: str) -> bool:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return head is not None and emb is not None and head.weight is emb.weight and name.endswith("lm_head.weight")
+
+
+def load_weights_into(model: nn.Module, dir: Path | str) -> None:
+    """Load a weights directory written by :func:`save_weights` (or any HF safetensors folder) into ``model``."""
+    device = next(model.parameters()).device
+    load_tensors_into(model, read_weights(dir, device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prune_weights(output_dir: Path | str, keep: int, protected: set[int]) -> list[int]:
+    """Delete ``step_*`` weight dirs beyond the newest ``keep``, never one in ``protected`` (still served)."""
+    root = Path(output_dir) / "weights"
+    steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit())
+    doomed = [s for s in steps[:-keep] if s not in protected] if len(steps) > keep else []
+    for s in doomed:
+        shutil.rmtree(root / f"step_{s}", ignore_errors=True)
+    return doomed
+
+
+def describe_weights(dir: Path | str) -> "list[WeightFile]":
+    """The WeightFile list (size, sha256) of an existing weights directory, to re-publish it."""
+    from bus.messages import WeightFile
+
+    dir = Path(dir)
+    files = []
+    for path in sorted(dir.glob("*.safetensors")):
+        files.append(WeightFile(name=path.name, bytes=path.stat().st_size, sha256=_sha256(path)))
+    return files

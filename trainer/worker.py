@@ -1,0 +1,207 @@
+"""The trainer worker: ``batches:{s}`` → one optimizer step → weights → ``trained = s``.
+
+For step ``s`` every rank reads all micro-batches of ``batches:{s}`` (XREAD BLOCK until ``count``
+are there) and trains those with ``index % W == rank``. Rank 0 then writes the weights
+(safetensors shards in ``output_dir/weights/step_{s}``, or a broadcast), publishes the
+``weights`` event, then ``trained = s`` on ``policy``, the step's metrics, and checkpoints every
+``ckpt.interval`` steps. A resumed trainer continues at ``s + 1`` and re-publishes the weights
+and ``trained`` of step ``s``. ``rlbus trainer @ cfg.toml [--nproc N]``.
+"""
+
+import argparse
+import asyncio
+import os
+import time
+
+from bus.log import configure_logging, get_logger
+from bus.messages import Metric, MicroBatch, WeightUpdate
+from workers.config import RlbusConfig
+from workers.lifecycle import connect_bus, run_worker
+
+
+class TrainerWorker:
+    """One data-parallel rank of the trainer (rank 0 also publishes weights, versions and metrics)."""
+
+    def __init__(self, config: RlbusConfig):
+        from trainer.dist import init_distributed
+        from trainer.model import resolve_device
+
+        self.config = config
+        self.cfg = config.trainer
+        self.device = resolve_device(self.cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.ctx = init_distributed(self.device.type)
+        self.output_dir = config.run.output_dir
+        self.log = get_logger(worker=f"trainer-{self.ctx.rank}", run=config.run.name, role="trainer")
+        self.step = 0
+        self.bus = None
+        self.broadcaster = None
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def setup(self) -> None:
+        import torch
+
+        from bus.policy import PolicyTracker
+        from trainer.checkpoint import Checkpointer
+        from trainer.dist import prepare_model
+        from trainer.logprobs import PolicyModel
+        from trainer.losses import loss_fns
+        from trainer.model import count_parameters, load_model, resolve_dtype
+        from trainer.optim import build_optimizer, build_scheduler
+        from trainer.weights import HostCopy
+
+        torch.manual_seed(self.config.run.seed)
+        lm = load_model(self.config.model.path, self.device, resolve_dtype(self.config.model.dtype, self.device))
+        self.n_params = count_parameters(lm)
+        self.lm_config = lm.config
+        self.policy = prepare_model(PolicyModel(lm, self.cfg.logprob_chunk_size), self.ctx, self.device.type,
+                                    self.cfg.compile)
+        self.optimizer = build_optimizer(self.policy, self.cfg)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg, self.config.run.max_steps)
+        self.loss_fns = loss_fns(self.cfg.loss)
+        self.ckpt = Checkpointer(self.output_dir, self.config.ckpt, self.ctx)
+        self.host_copy = HostCopy()
+        self.bus = await connect_bus(self.config, f"trainer-{self.ctx.rank}")
+        self.tracker = PolicyTracker(self.bus)
+        resume = self.ckpt.resolve(self.config.ckpt.resume_step)
+        if resume is not None:
+            self.ckpt.load(resume, self.policy, self.optimizer, self.scheduler)
+            self.step = resume
+        if self.ctx.is_main and self.cfg.weight_transport == "nccl":
+            from trainer.broadcast import WeightBroadcaster
+
+            self.broadcaster = WeightBroadcaster(self.cfg.nccl_host, self.cfg.nccl_port, self.config.inference.servers,
+                                                 self.device, self.cfg.broadcast_timeout_s)
+        self.log.info("trainer_ready", step=self.step, resumed=resume is not None, params=self.n_params,
+                      device=str(self.device), world_size=self.ctx.world_size, model=self.config.model.path)
+        if self.step > 0:
+            await self.publish_weights(self.step, republish=True)
+        elif self.ctx.is_main:
+            from bus.policy import publish_trained
+
+            await self.tracker.refresh()
+            if self.tracker.trained > 0:
+                self.log.warning("trainer_fresh_start_after_training", trained=self.tracker.trained,
+                                 fix="set ckpt.resume_step = -1 to continue from the latest checkpoint")
+            else:
+                await publish_trained(self.bus, 0)
+
+    async def run(self) -> None:
+        max_steps = self.config.run.max_steps
+        while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
+            step = self.step + 1
+            start = time.perf_counter()
+            batches = await self.read_batches(step)
+            if batches is None:
+                break
+            metrics = self.train(step, batches, time.perf_counter() - start)
+            self.step = step
+            t0 = time.perf_counter()
+            await self.publish_weights(step)
+            metrics["weights_s"] = time.perf_counter() - t0
+            if self.ckpt.due(step):
+                t0 = time.perf_counter()
+                self.ckpt.save(step, self.policy, self.optimizer, self.scheduler)
+                metrics["ckpt_s"] = time.perf_counter() - t0
+            await self.report(step, metrics)
+        self.log.info("trainer_stopped", step=self.step)
+
+    async def read_batches(self, step: int) -> list[MicroBatch] | None:
+        """Every micro-batch of ``batches:{step}`` with ``index % W == rank``; None when asked to stop first."""
+        stream = self.bus.keys.batches(step)
+        last_id, got, count = "0", {}, None
+        while count is None or len(got) < count:
+            if self._stop.is_set():
+                return None
+            entries = await self.bus.read_fanout(stream, last_id, count=1000, block_ms=self.config.redis.block_ms)
+            for entry_id, message in entries:
+                last_id = entry_id
+                if isinstance(message, MicroBatch) and message.step == step:
+                    got[message.index] = message
+                    count = message.count
+        return [got[i] for i in sorted(got) if i % self.ctx.world_size == self.ctx.rank]
+
+    def train(self, step: int, micro_batches: list[MicroBatch], wait_s: float) -> dict[str, float]:
+        from trainer.step import to_batch, train_step
+
+        batches = [to_batch(mb, self.device, step) for mb in micro_batches]
+        return train_step(self.policy, self.optimizer, self.scheduler, batches, loss_fns=self.loss_fns, ctx=self.ctx,
+                          step=step, max_grad_norm=self.cfg.max_grad_norm, n_params=self.n_params, wait_s=wait_s)
+
+    async def publish_weights(self, step: int, republish: bool = False) -> None:
+        """Weights of ``step`` to inference servers, then ``trained = step`` (rank 0; every rank gathers)."""
+        from bus.policy import publish_trained
+        from trainer.dist import full_state_dict
+
+        state = full_state_dict(self.policy, self.ctx)
+        if not self.ctx.is_main:
+            return
+        if self.broadcaster is not None:
+            event = self.broadcaster.event(step, state)
+            await self.bus.publish(self.bus.keys.weights(), event)
+            await asyncio.to_thread(self.broadcaster.broadcast, event, state)
+        else:
+            event = await self._save_weights(step, state, republish)
+            await self.bus.publish(self.bus.keys.weights(), event)
+            await self._prune(step)
+        await publish_trained(self.bus, step)
+        self.log.info("weights_published", step=step, format=event.format, dir=event.dir)
+
+    async def _save_weights(self, step: int, state, republish: bool) -> WeightUpdate:
+        from trainer.weights import INDEX_NAME, describe_weights, save_weights, weights_dir
+
+        path = weights_dir(self.output_dir, step)
+        if republish and (path / INDEX_NAME).exists():
+            files = describe_weights(path)
+        else:
+            files = save_weights(state, path, self.cfg.max_shard_mb, host_copy=self.host_copy, config=self.lm_config)
+        return WeightUpdate(step=step, format="safetensors", dir=str(path.resolve()), files=files)
+
+    async def _prune(self, step: int) -> None:
+        from trainer.weights import prune_weights
+
+        await self.tracker.refresh()
+        served = set(self.tracker.served_by.values()) | {step}
+        pruned = prune_weights(self.output_dir, self.cfg.keep_weights, served)
+        if pruned:
+            self.log.debug("weights_pruned", steps=pruned, served=sorted(served))
+
+    async def report(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.ctx.is_main:
+            return
+        await self.bus.publish(self.bus.keys.metrics(), Metric(source="trainer", step=step, values=metrics))
+        shown = {k.replace("/", "_"): round(v, 4) if abs(v) >= 1e-3 else float(f"{v:.3g}") for k, v in metrics.items()}
+        self.log.info("train_step", step=step, **shown)
+
+    async def close(self) -> None:
+        from trainer.dist import close_distributed
+
+        if self.bus is not None:
+            await self.bus.close()
+        close_distributed()
+
+
+def _run_rank(config: RlbusConfig) -> None:
+    import torch
+
+    if config.trainer.num_threads:
+        torch.set_num_threads(config.trainer.num_threads)
+    configure_logging(config.log)
+    asyncio.run(run_worker(TrainerWorker(config)))
+
+
+def main(config: RlbusConfig, argv: list[str]) -> int:
+    """``rlbus trainer @ cfg.toml [--nproc N]``: one rank, or N ranks spawned here (torchrun sets RANK itself)."""
+    parser = argparse.ArgumentParser(prog="rlbus trainer", description="Train on batches:{s}, publish weights.")
+    parser.add_argument("--nproc", type=int, default=config.trainer.nproc, help="data-parallel ranks to spawn")
+    args = parser.parse_args(argv)
+    if args.nproc > 1 and "RANK" not in os.environ:
+        from trainer.dist import spawn
+
+        config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"nproc": args.nproc})})
+        spawn(args.nproc, _run_rank, (config,))
+        return 0
+    _run_rank(config)
+    return 0

@@ -1,0 +1,87 @@
+"""``rlbus ROLE @ a.toml [@ b.toml] [--section.key value ...] [--role-option value] [--dry-run]``.
+
+Dotted flags override the config; undotted flags go to the role's own argparse. Roles are
+imported lazily, so ``--help`` and ``--dry-run`` never import torch. A role's entry point is
+``main(config: RlbusConfig | None, argv: list[str]) -> int``.
+"""
+
+import importlib
+import sys
+
+from bus.errors import ConfigError, RedisNotInstalledError
+from bus.log import configure_logging
+from workers.config import LogConfig
+from workers.config_loader import dump_json, load_config, split_argv
+
+ROLES: dict[str, tuple[str, str]] = {
+    "env": ("workers.env_server:main", "serve one environment over ZeroMQ"),
+    "inference": ("workers.inference.server:main", "OpenAI-compatible inference server that follows `weights`"),
+    "feeder": ("workers.feeder:main", "turn datasets into tasks, honouring ratios and max in-flight rollouts"),
+    "rollout": ("workers.rollout:main", "roll out tasks: sample groups, run episodes, score, publish"),
+    "filter": ("workers.filter:main", "compute advantages and apply the pre-batch filters"),
+    "packer": ("workers.packer:main", "pack filtered groups into the micro-batches of each step"),
+    "trainer": ("trainer.worker:main", "train on each step's micro-batches, publish weights and versions"),
+    "run": ("workers.run:main", "start a whole run on this machine (private redis-server if no URL)"),
+    "inspect": ("workers.inspect:main", "show a run's streams, groups, lag and pending entries; decode entries"),
+    "replay": ("workers.replay:main", "copy recorded rollouts or batches of one run into another run"),
+    "redis": ("workers.redis_role:main", "run a private redis-server in the foreground and print its URL"),
+    "init-model": ("workers.model_init:main", "build a random-init tiny/small Qwen3 with a byte-level tokenizer"),
+}
+"""Role name → ("module:function", one-line description)."""
+
+NO_CONFIG_ROLES = {"inspect", "redis", "init-model", "replay"}
+"""Roles that get ``config=None`` when no @file or override was given."""
+
+
+def usage() -> str:
+    width = max(map(len, ROLES))
+    lines = [
+        "usage: rlbus ROLE [@ config.toml ...] [--section.key VALUE ...] [--role-option VALUE ...] [--dry-run]",
+        "",
+        "roles:",
+        *(f"  {name:<{width}}  {desc}" for name, (_, desc) in ROLES.items()),
+        "",
+        "`rlbus ROLE --help` shows a role's own options; `--dry-run` prints the resolved config as JSON.",
+    ]
+    return "\n".join(lines)
+
+
+def load_role(role: str):
+    """The entry function of ``role`` (imported now)."""
+    target, _ = ROLES[role]
+    module_name, func_name = target.split(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    role, rest = argv[0], argv[1:]
+    if role not in ROLES:
+        print(f"rlbus: unknown role {role!r}; roles are {', '.join(ROLES)}\n\n{usage()}", file=sys.stderr)
+        return 2
+    try:
+        files, overrides, role_args, dry_run = split_argv(rest)
+        config = None
+        if files or overrides or dry_run or role not in NO_CONFIG_ROLES:
+            config = load_config(files, overrides)
+    except ConfigError as e:
+        print(f"rlbus {role}: {e}", file=sys.stderr)
+        return 2
+    if dry_run:
+        print(dump_json(config))
+        return 0
+    configure_logging(config.log if config is not None else LogConfig())
+    try:
+        return int(load_role(role)(config, role_args) or 0)
+    except (ConfigError, RedisNotInstalledError) as e:
+        print(f"rlbus {role}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

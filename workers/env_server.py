@@ -1,0 +1,259 @@
+"""``rlbus env``: serve one environment over ZeroMQ RPC, and :class:`EnvHandle`, its client side.
+
+Server: ``rlbus env @ run.toml --name ENV_NAME [--bind ADDR]`` serves the ``[[env]]`` (or
+``[[eval.env]]``) called ENV_NAME; ``rlbus env --id reverse_text --args '{"num_examples": 100}'
+--bind tcp://127.0.0.1:5555`` needs no config. Methods (plain msgpack data in and out)::
+
+    info()                          -> {name, size, max_turns, reward_names}
+    example(index)                  -> dict
+    initial(index)                  -> {"messages": [...], "state": {...}}
+    step(index, messages, state)    -> {"messages": [...], "done": bool, "state": {...}}
+    score(index, messages, state)   -> {"reward": float, "metrics": {name: float}}
+
+Client: ``await EnvHandle.start(env_config, timeout_s)`` connects to ``env_config.address``, or
+(no address) spawns a server process on an ipc:// socket in a temp dir and owns it: a spawned
+server that dies is started again and the interrupted call retried once; ``close()`` stops it.
+"""
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from typing import Any
+
+from bus.errors import ConfigError, RpcError
+from bus.log import get_logger
+from bus.rpc import RpcClient, RpcServer
+from workers.config import EnvConfig, RlbusConfig
+from workers.envs.base import Environment
+from workers.envs.registry import load_env
+
+
+def build_env(env_config: EnvConfig) -> Environment:
+    """The environment of one ``[[env]]``; ``max_turns`` is capped by the config's."""
+    env = load_env(env_config.id, env_config.args)
+    env.max_turns = min(env.max_turns, env_config.max_turns)
+    return env
+
+
+class EnvServer:
+    """One environment behind an :class:`RpcServer` at ``address``."""
+
+    def __init__(self, env: Environment, address: str, name: str | None = None):
+        self.env = env
+        self.name = name or env.name
+        self.server = RpcServer(address, {
+            "info": lambda: {**env.info(), "name": self.name},
+            "example": env.example,
+            "initial": env.initial,
+            "step": env.step,
+            "score": env.score,
+        })
+        self.log = get_logger(worker="env", env=self.name)
+
+    async def setup(self) -> None:
+        address = self.server.bind()
+        self.log.info("env_server_started", address=address, size=len(self.env), max_turns=self.env.max_turns,
+                      pid=os.getpid())
+
+    async def run(self) -> None:
+        await self.server.serve()
+
+    async def close(self) -> None:
+        await self.server.close()
+        self.log.info("env_server_stopped")
+
+    def request_stop(self) -> None:
+        asyncio.ensure_future(self.server.close())
+
+
+def _env_config(config: RlbusConfig | None, args: argparse.Namespace) -> EnvConfig:
+    if args.id:
+        try:
+            factory_args = json.loads(args.args)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--args {args.args!r} is not JSON ({e}); pass an object like '{{\"seed\": 1}}'") from e
+        if not isinstance(factory_args, dict):
+            raise ConfigError(f"--args {args.args!r} must be a JSON object of keyword arguments")
+        return EnvConfig(id=args.id, name=args.name, args=factory_args, max_turns=args.max_turns or 8)
+    if config is None or not args.name:
+        raise ConfigError("rlbus env needs --name ENV_NAME (an [[env]] of the config) or --id ID [--args JSON]")
+    envs = {e.resolved_name: e for e in [*config.eval.env, *config.env]}
+    if args.name not in envs:
+        raise ConfigError(f"no env named {args.name!r} in the config; envs are {sorted(envs)}")
+    env_config = envs[args.name]
+    return env_config.model_copy(update={"max_turns": args.max_turns}) if args.max_turns else env_config
+
+
+def main(config: RlbusConfig | None, argv: list[str]) -> int:
+    """``rlbus env``: serve one environment until SIGTERM/SIGINT."""
+    from workers.lifecycle import run_worker
+
+    parser = argparse.ArgumentParser(prog="rlbus env", description="Serve one environment over ZeroMQ RPC.")
+    parser.add_argument("--name", help="the [[env]] of the config to serve (with --id: its display name)")
+    parser.add_argument("--id", help="env id without a config: built-in name or package.module:factory")
+    parser.add_argument("--args", default="{}", help="JSON object of factory keyword arguments (with --id)")
+    parser.add_argument("--max-turns", type=int, default=None, help="cap on model turns (default: the config's)")
+    parser.add_argument("--bind", help="ZeroMQ address to bind (default: the env's address)")
+    args = parser.parse_args(argv)
+    env_config = _env_config(config, args)
+    address = args.bind or env_config.address
+    if not address:
+        raise ConfigError(f"env {env_config.resolved_name!r} has no address; pass --bind tcp://127.0.0.1:5555 "
+                          "or set address in its [[env]]")
+    server = EnvServer(build_env(env_config), address, env_config.resolved_name)
+    return asyncio.run(run_worker(server))
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies, so no env server outlives its owner."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class _ServerExited(Exception):
+    pass
+
+
+class EnvHandle:
+    """Async client of one env server; owns (spawns, restarts, stops) it unless the config gives an address.
+
+    Calls are safe to run concurrently. Every method takes keyword arguments as in the module docstring.
+    """
+
+    def __init__(self, env_config: EnvConfig, timeout_s: float):
+        self.env_config = env_config
+        self.name = env_config.resolved_name
+        self.timeout_s = timeout_s
+        self.spawned = env_config.address is None
+        self.address = env_config.address or ""
+        self.restarts = 0
+        self._client: RpcClient | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self._exited: asyncio.Task | None = None
+        self._tmp_dir: str | None = None
+        self._lock = asyncio.Lock()
+        self.log = get_logger(worker="env_handle", env=self.name)
+
+    @classmethod
+    async def start(cls, env_config: EnvConfig, timeout_s: float = 30.0, start_timeout_s: float = 60.0) -> "EnvHandle":
+        """Connect (or spawn and connect) and wait until ``info`` answers; per-call timeout ``timeout_s``."""
+        handle = cls(env_config, timeout_s)
+        try:
+            if handle.spawned:
+                await handle._spawn(start_timeout_s)
+            else:
+                handle._client = RpcClient(handle.address, timeout_s)
+                await handle._client.call("info")
+        except BaseException:
+            await handle.close()
+            raise
+        return handle
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the spawned server (None for an external one)."""
+        return self._process.pid if self._process is not None else None
+
+    async def info(self) -> dict[str, Any]:
+        return await self.call("info")
+
+    async def example(self, index: int) -> dict[str, Any]:
+        return await self.call("example", index=index)
+
+    async def initial(self, index: int) -> dict[str, Any]:
+        return await self.call("initial", index=index)
+
+    async def step(self, index: int, messages: list[dict], state: dict) -> dict[str, Any]:
+        return await self.call("step", index=index, messages=messages, state=state)
+
+    async def score(self, index: int, messages: list[dict], state: dict) -> dict[str, Any]:
+        return await self.call("score", index=index, messages=messages, state=state)
+
+    async def call(self, method: str, **kwargs: Any) -> Any:
+        """Call ``method``; a spawned server that has died is restarted and the call retried once."""
+        if not self.spawned:
+            assert self._client is not None
+            return await self._client.call(method, **kwargs)
+        async with self._lock:  # not while a restart is under way
+            generation = self.restarts
+        try:
+            return await self._call_spawned(method, kwargs)
+        except _ServerExited as e:
+            await self._restart(generation, reason=str(e))
+        try:
+            return await self._call_spawned(method, kwargs)
+        except _ServerExited as e:
+            raise RpcError(f"env server {self.name!r} died again after a restart during {method!r}: {e}") from e
+
+    async def close(self) -> None:
+        """Close the connection and stop the spawned server (SIGTERM, then SIGKILL after 5 s)."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        await self._stop_process()
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
+
+    async def _call_spawned(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None) -> Any:
+        """One call that fails fast with _ServerExited when the server process dies first."""
+        assert self._client is not None and self._exited is not None
+        exited = self._exited
+        if exited.done():
+            raise _ServerExited(f"exit code {exited.result()}")
+        call = asyncio.ensure_future(self._client.call(method, timeout_s=timeout_s, **kwargs))
+        await asyncio.wait({call, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if call.done():
+            return call.result()
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        raise _ServerExited(f"exit code {exited.result()}")
+
+    async def _restart(self, generation: int, reason: str) -> None:
+        async with self._lock:
+            if self.restarts != generation:
+                return  # a concurrent call already restarted it
+            self.restarts += 1
+            self.log.warning("env_server_restarted", reason=reason, restarts=self.restarts)
+            if self._client is not None:
+                await self._client.close()
+            await self._stop_process()
+            await self._spawn(max(self.timeout_s, 60.0))
+
+    async def _spawn(self, start_timeout_s: float) -> None:
+        if self._tmp_dir is None:
+            self._tmp_dir = tempfile.mkdtemp(prefix="rlbus-env-")
+        self.address = f"ipc://{self._tmp_dir}/{self.restarts}.sock"
+        cfg = self.env_config
+        argv = [sys.executable, "-m", "workers.cli", "env", "--id", cfg.id, "--name", self.name,
+                "--args", json.dumps(cfg.args), "--max-turns", str(cfg.max_turns), "--bind", self.address]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        self._process = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
+                                                             preexec_fn=preexec)
+        self._exited = asyncio.ensure_future(self._process.wait())
+        self._client = RpcClient(self.address, self.timeout_s)
+        try:
+            await self._call_spawned("info", {}, timeout_s=start_timeout_s)
+        except _ServerExited as e:
+            raise RpcError(f"env server {self.name!r} ({cfg.id}) exited before answering ({e}); "
+                           "its error is in the log above") from e
+        self.log.info("env_server_spawned", pid=self._process.pid, address=self.address)
+
+    async def _stop_process(self) -> None:
+        process, exited = self._process, self._exited
+        self._process = self._exited = None
+        if process is None or exited is None:
+            return
+        if not exited.done():
+            process.terminate()
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), 5.0)
+            except TimeoutError:
+                process.kill()
+        await exited

@@ -1,0 +1,221 @@
+"""Eval: issue eval tasks at the configured steps, aggregate the groups, report pass@k / mean reward.
+
+Routing (see PLAN "Changes", H7): for eval step ``s`` the coordinator publishes
+``Task(eval_step=s)`` to ``tasks:{env}`` (``[[eval.env]]`` names); rollout workers wait until every
+inference server serves at least version ``s`` (never dropped as stale) and publish the group with
+``eval_step`` set to ``rollouts:{env}``; the filter acks and skips such groups; the aggregator here
+reads ``rollouts:{env}`` with its own consumer group ``eval``, acks training groups by their header
+without decoding them, and once all groups of ``(env, s)`` are in, publishes one
+``Metric(source="eval", step=s)`` and acks those groups in the same commit.
+
+Eval steps: 0 (unless ``eval.skip_first_step``), every ``interval`` steps, and ``run.max_steps``.
+The eval of step ``s`` runs on exactly version ``s``: the coordinator keeps the run's state field
+``eval:hold`` at the next eval step not yet finished, and inference servers never serve weights
+newer than the hold (training runs on up to ``max_off_policy_steps`` ahead, then waits).
+Binary rewards (every reward 0 or 1) report ``pass@k`` for k = 1, 2, 4, … ≤ group_size with the
+unbiased estimator ``1 − C(n−c, k) / C(n, k)`` (Chen et al., 2021); others report the mean reward.
+"""
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from bus.keys import GROUP_EVAL
+from bus.log import get_logger
+from bus.messages import Metric, RolloutGroup, Task
+from bus.policy import PolicyTracker
+from bus.streams import Bus
+from workers.config import EvalEnvConfig, RlbusConfig
+
+ISSUED_FIELD = "eval:issued:{env}"
+"""State hash field: the last eval step whose tasks were published for ``env``."""
+
+DONE_FIELD = "eval:done:{env}"
+"""State hash field: the last eval step of ``env`` whose metrics were published."""
+
+EVAL_HOLD_FIELD = "eval:hold"
+"""State hash field: inference servers serve no weights newer than this step (absent: no hold)."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one example: n samples, c correct → 1 − C(n−c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 ≤ c ≤ n and 1 ≤ k ≤ n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def k_values(n: int) -> list[int]:
+    """k = 1, 2, 4, … up to n (and n itself)."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def eval_values(env: str, rewards_by_example: list[list[float]]) -> dict[str, float]:
+    """The metrics of one eval: mean reward always; pass@k when every reward is 0 or 1."""
+    flat = [r for rewards in rewards_by_example for r in rewards]
+    values = {f"eval/{env}/reward": sum(flat) / len(flat), f"eval/{env}/examples": float(len(rewards_by_example))}
+    if all(r in (0.0, 1.0) for r in flat):
+        n = min(len(r) for r in rewards_by_example)
+        for k in k_values(n):
+            per_example = [pass_at_k(len(r), int(sum(r)), k) for r in rewards_by_example]
+            values[f"eval/{env}/pass@{k}"] = sum(per_example) / len(per_example)
+    return values
+
+
+def is_eval_step(step: int, interval: int, max_steps: int | None, skip_first: bool) -> bool:
+    """Whether ``step`` is on the eval schedule: 0 (unless skipped), multiples of ``interval``, ``max_steps``."""
+    if max_steps is not None and step > max_steps:
+        return False
+    return (step == 0 and not skip_first) or (step > 0 and (step % interval == 0 or step == max_steps))
+
+
+def next_eval_step(after: int | None, interval: int, max_steps: int | None, skip_first: bool) -> int | None:
+    """The first scheduled eval step after ``after`` (None: from the start); None when there is none left."""
+    first = 0 if after is None else after + 1
+    if is_eval_step(first, interval, max_steps, skip_first):
+        return first
+    step = max(interval, -(-first // interval) * interval)
+    if max_steps is not None:
+        step = min(step, max_steps)
+    return step if step >= first and is_eval_step(step, interval, max_steps, skip_first) else None
+
+
+def eval_steps_due(trained: int, issued: int | None, interval: int, max_steps: int | None, skip_first: bool) -> int | None:
+    """The next eval step to issue now (the oldest scheduled one after ``issued`` that is ≤ trained), or None."""
+    step = next_eval_step(issued, interval, max_steps, skip_first)
+    return step if step is not None and step <= trained else None
+
+
+@dataclass
+class _Pending:
+    """The groups of one (env, step) eval received so far."""
+
+    expected: int
+    groups: dict[str, RolloutGroup] = field(default_factory=dict)
+    entries: list[tuple[str, str]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+
+class EvalCoordinator:
+    """Issues eval tasks as ``trained`` advances and aggregates the eval groups into metrics."""
+
+    def __init__(self, config: RlbusConfig, bus: Bus, sizes: dict[str, int]):
+        self.config = config
+        self.bus = bus
+        self.tracker = PolicyTracker(bus)
+        self.envs: dict[str, EvalEnvConfig] = {e.resolved_name: e for e in config.eval.env}
+        self.indices = {name: self._indices(env, sizes[name]) for name, env in self.envs.items()}
+        self.pending: dict[tuple[str, int], _Pending] = {}
+        self.results: dict[int, dict[str, float]] = {}
+        """Eval step → metrics of the evals finished by this coordinator (all envs merged)."""
+        self.finished: set[tuple[str, int]] = set()
+        self.consumer = "eval"
+        self.log = get_logger(worker="eval", run=config.run.name)
+
+    def _indices(self, env: EvalEnvConfig, size: int) -> list[int]:
+        if env.num_examples < 0 or env.num_examples >= size:
+            return list(range(size))
+        return sorted(random.Random(self.config.run.seed).sample(range(size), env.num_examples))
+
+    @property
+    def streams(self) -> list[str]:
+        return [self.bus.keys.rollouts(name) for name in self.envs]
+
+    async def setup(self) -> None:
+        """Groups, the hold for the first eval (before any server loads newer weights), pending groups."""
+        await self.update_hold()
+        for stream in self.streams:
+            await self.bus.ensure_group(stream, GROUP_EVAL)
+        # Groups read before a restart and not yet aggregated are pending for this consumer: read them first.
+        for stream in self.streams:
+            reply = await self.bus.redis.xreadgroup(GROUP_EVAL, self.consumer, {stream: "0"}, count=10_000)
+            for _, items in reply or []:
+                await self._take(stream, items)
+
+    async def update_hold(self) -> int | None:
+        """Set ``eval:hold`` to the next eval step some env has not finished (delete it when none is left)."""
+        nexts = []
+        for name, env in self.envs.items():
+            raw = await self.bus.state_get(DONE_FIELD.format(env=name))
+            nexts.append(next_eval_step(None if raw is None else int(raw), self.config.eval_interval(env),
+                                        self.config.run.max_steps, self.config.eval.skip_first_step))
+        hold = min((n for n in nexts if n is not None), default=None)
+        if hold is None:
+            await self.bus.redis.hdel(self.bus.keys.state(), EVAL_HOLD_FIELD)
+        else:
+            await self.bus.state_set(**{EVAL_HOLD_FIELD: hold})
+        return hold
+
+    async def issue_due(self) -> None:
+        """Publish the eval tasks of the newest due eval step of each env (once per step)."""
+        await self.tracker.refresh()
+        for name, env in self.envs.items():
+            field_name = ISSUED_FIELD.format(env=name)
+            raw = await self.bus.state_get(field_name)
+            issued = int(raw) if raw is not None else None
+            step = eval_steps_due(self.tracker.trained, issued, self.config.eval_interval(env),
+                                  self.config.run.max_steps, self.config.eval.skip_first_step)
+            if step is None:
+                continue
+            tasks = [
+                (self.bus.keys.tasks(name), Task(
+                    task_id=f"eval:{name}:{step}:{i}", env=name, example_index=i, example_id=str(i),
+                    group_size=env.group_size, mode="rl", eval_step=step,
+                ))
+                for i in self.indices[name]
+            ]
+            await self.bus.commit([], tasks, extra=lambda pipe: pipe.hset(self.bus.keys.state(), field_name, step))
+            self.pending.setdefault((name, step), _Pending(expected=len(tasks)))
+            self.log.info("eval_issued", env=name, step=step, tasks=len(tasks))
+
+    async def collect(self, block_ms: int | None = None) -> None:
+        """Read new entries of ``rollouts:*``; ack training groups; finish complete evals."""
+        reply = await self.bus.redis.xreadgroup(
+            GROUP_EVAL, self.consumer, {s: ">" for s in self.streams}, count=256, block=block_ms
+        )
+        for stream, items in reply or []:
+            await self._take(stream.decode() if isinstance(stream, bytes) else stream, items)
+        for key in [k for k, p in self.pending.items() if len(p.groups) >= p.expected]:
+            await self._finish(*key)
+
+    async def _take(self, stream: str, items: list) -> None:
+        skip = []
+        for raw_id, fields in items:
+            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+            if not fields or b"eval_step" not in fields:
+                skip.append(entry_id)
+                continue
+            group = RolloutGroup.from_fields(fields)
+            pending = self.pending.setdefault(
+                (group.env, group.eval_step), _Pending(expected=len(self.indices.get(group.env, [])))
+            )
+            pending.groups[group.task_id] = group
+            pending.entries.append((stream, entry_id))
+        await self.bus.ack(stream, GROUP_EVAL, skip)
+
+    async def _finish(self, env: str, step: int) -> None:
+        pending = self.pending.pop((env, step))
+        groups = sorted(pending.groups.values(), key=lambda g: g.example_index)
+        values = eval_values(env, [[s.reward for s in g.samples] for g in groups])
+        versions = [v for g in groups for s in g.samples for v in (s.policy_version_start, s.policy_version_end)]
+        values[f"eval/{env}/policy_version_min"] = float(min(versions))
+        values[f"eval/{env}/policy_version_max"] = float(max(versions))
+        values[f"eval/{env}/seconds"] = time.monotonic() - pending.started
+        acks = [(stream, GROUP_EVAL, entry_id) for stream, entry_id in pending.entries]
+        done = DONE_FIELD.format(env=env)
+        await self.bus.commit(acks, [(self.bus.keys.metrics(), Metric(source="eval", step=step, values=values))],
+                              extra=lambda pipe: pipe.hset(self.bus.keys.state(), done, step))
+        self.results.setdefault(step, {}).update(values)
+        self.finished.add((env, step))
+        await self.update_hold()
+        self.log.info("eval_finished", env=env, step=step, reward=round(values[f"eval/{env}/reward"], 4))
+
+    def complete(self, step: int) -> bool:
+        """True once every eval env has finished its eval of ``step``."""
+        return all((name, step) in self.finished for name in self.envs)

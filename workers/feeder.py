@@ -1,0 +1,212 @@
+"""The feeder: datasets → one task per example in ``tasks:{env}``.
+
+- Env mixing: envs take turns by weight: the next task goes to the env furthest behind its share
+  (largest ``(issued_all + 1) × share − issued``), weight = ``ratio`` when set, else the dataset
+  size (so every example is equally likely, prime-rl's default). Each env's count stays within
+  one task of its share, and the order follows from the cursors alone, so it survives restarts.
+- Each epoch visits every example once, in an order shuffled with ``(run.seed, env, epoch)``.
+- In flight: the state hash field ``inflight`` counts samples issued and not yet filtered. The
+  feeder adds ``group_size`` in the same MULTI as the XADD; the filter subtracts when it commits
+  a group, the rollout worker when it dead-letters a task. The feeder issues a task only while
+  ``inflight + group_size ≤ max_inflight_rollouts``; otherwise it blocks (XREAD BLOCK) on the
+  streams whose writes lower the count (``filtered:*`` and ``dead``).
+- Cursor: ``feeder:cursor:{env}`` / ``feeder:epoch:{env}`` in the state hash move in the same
+  MULTI as the XADD, guarded (WATCH) on the cursor, so a restarted feeder continues exactly where
+  it stopped and a second feeder on the same run cannot issue the same position twice.
+"""
+
+import argparse
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+from bus.errors import ConfigError
+from bus.log import configure_logging, get_logger
+from bus.messages import Task
+from bus.streams import Bus, CommitConflict
+from workers.config import RlbusConfig
+from workers.lifecycle import connect_bus, consumer_name, run_worker
+
+INFLIGHT_FIELD = "inflight"
+"""State hash field: samples issued by the feeder and not yet filtered (or dead-lettered)."""
+
+
+def cursor_field(env: str) -> str:
+    """State hash field holding the next position within the current epoch of ``env``."""
+    return f"feeder:cursor:{env}"
+
+
+def epoch_field(env: str) -> str:
+    """State hash field holding the current epoch of ``env``."""
+    return f"feeder:epoch:{env}"
+
+
+def epoch_order(size: int, seed: int, env: str, epoch: int, shuffle: bool = True) -> list[int]:
+    """Example indices of one epoch: a permutation of ``range(size)`` fixed by (seed, env, epoch)."""
+    order = list(range(size))
+    if shuffle:
+        random.Random(f"{seed}:{env}:{epoch}").shuffle(order)
+    return order
+
+
+@dataclass
+class EnvCursor:
+    """Where the feeder stands in one env's dataset."""
+
+    name: str
+    size: int
+    weight: float
+    group_size: int
+    mode: str
+    epoch: int = 0
+    position: int = 0
+    stored: str | None = None
+    """The cursor value last read from / written to Redis (the commit guard)."""
+    _orders: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def issued(self) -> int:
+        return self.epoch * self.size + self.position
+
+    def advance(self) -> tuple[int, int]:
+        """(position, epoch) after issuing the current position."""
+        if self.position + 1 < self.size:
+            return self.position + 1, self.epoch
+        return 0, self.epoch + 1
+
+
+def pick_env(cursors: list[EnvCursor], max_epochs: int | None = None) -> EnvCursor | None:
+    """The env furthest behind its share after one more task; None when every env finished max_epochs."""
+    live = [c for c in cursors if max_epochs is None or c.epoch < max_epochs]
+    if not live:
+        return None
+    total_weight = sum(c.weight for c in live)
+    next_total = sum(c.issued for c in live) + 1
+    return max(live, key=lambda c: next_total * c.weight / total_weight - c.issued)
+
+
+class FeederWorker:
+    """Issues tasks for every [[env]] while the in-flight count leaves room."""
+
+    def __init__(self, config: RlbusConfig, sizes: dict[str, int] | None = None, worker: str | None = None):
+        if not config.env:
+            raise ConfigError("no [[env]] configured; the feeder needs at least one env")
+        self.config = config
+        self.sizes = sizes
+        self.worker = consumer_name("feeder", worker)
+        self.max_inflight = config.max_inflight_rollouts()
+        self.log = get_logger(worker=self.worker, run=config.run.name, role="feeder")
+        self.bus: Bus | None = None
+        self.cursors: list[EnvCursor] = []
+        self.issued = 0
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def setup(self) -> None:
+        self.bus = await connect_bus(self.config, self.worker)
+        sizes = self.sizes if self.sizes is not None else await self._dataset_sizes()
+        for env in self.config.env:
+            name = env.resolved_name
+            if sizes.get(name, 0) < 1:
+                raise ConfigError(f"env {name!r} reports a dataset of {sizes.get(name)} examples; it needs at least 1")
+            weight = env.ratio if env.ratio is not None else float(sizes[name])
+            self.cursors.append(EnvCursor(name, sizes[name], weight, env.group_size, env.mode))
+        await self._load_cursors()
+        self.log.info("feeder_ready", max_inflight=self.max_inflight,
+                      envs={c.name: f"epoch {c.epoch} position {c.position}/{c.size}" for c in self.cursors})
+
+    async def _dataset_sizes(self) -> dict[str, int]:
+        """Each env server's dataset size (spawning the servers that have no address)."""
+        from workers.env_server import EnvHandle
+
+        sizes = {}
+        for env in self.config.env:
+            handle = await EnvHandle.start(env, timeout_s=self.config.rollout.env_timeout_s)
+            try:
+                sizes[env.resolved_name] = int((await handle.info())["size"])
+            finally:
+                await handle.close()
+        return sizes
+
+    async def _load_cursors(self) -> None:
+        fields = [f for c in self.cursors for f in (cursor_field(c.name), epoch_field(c.name))]
+        values = await self.bus.redis.hmget(self.bus.keys.state(), fields)
+        for i, c in enumerate(self.cursors):
+            raw_cursor, raw_epoch = values[2 * i], values[2 * i + 1]
+            c.stored = raw_cursor.decode() if raw_cursor is not None else None
+            c.position = int(raw_cursor) if raw_cursor is not None else 0
+            c.epoch = int(raw_epoch) if raw_epoch is not None else 0
+            if c.position >= c.size:
+                raise ConfigError(
+                    f"feeder cursor {c.position} of env {c.name!r} is past its dataset ({c.size} examples); the "
+                    f"dataset shrank since this run started: use a new run.name or delete {cursor_field(c.name)}"
+                )
+
+    async def run(self) -> None:
+        max_epochs = self.config.feeder.max_epochs
+        while not self._stop.is_set():
+            cursor = pick_env(self.cursors, max_epochs)
+            if cursor is None:
+                self.log.info("feeder_done", epochs=max_epochs, issued=self.issued)
+                return
+            if await self._wait_for_room(cursor.group_size):
+                await self._issue(cursor)
+        self.log.info("feeder_stopped", issued=self.issued)
+
+    async def _wait_for_room(self, group_size: int) -> bool:
+        """True once ``group_size`` more samples fit in flight; False on timeout (re-check stop)."""
+        keys = self.bus.keys
+        wake = [keys.filtered(c.name) for c in self.cursors] + [keys.dead()]
+        pipe = self.bus.redis.pipeline(transaction=False)
+        for stream in wake:
+            pipe.xrevrange(stream, count=1)
+        pipe.hget(keys.state(), INFLIGHT_FIELD)
+        *lasts, inflight = await pipe.execute()
+        if int(inflight or 0) + group_size <= self.max_inflight:
+            return True
+        last_ids = {s: (last[0][0] if last else b"0-0") for s, last in zip(wake, lasts, strict=True)}
+        await self.bus.redis.xread(last_ids, count=1, block=self.config.redis.block_ms)
+        return False
+
+    async def _issue(self, c: EnvCursor) -> None:
+        order = c._orders.get(c.epoch)
+        if order is None:
+            c._orders = {c.epoch: epoch_order(c.size, self.config.run.seed, c.name, c.epoch, self.config.feeder.shuffle)}
+            order = c._orders[c.epoch]
+        index = order[c.position]
+        task = Task(task_id=f"{c.name}:{c.epoch}:{c.position}", env=c.name, example_index=index,
+                    example_id=str(index), epoch=c.epoch, group_size=c.group_size, mode=c.mode)
+        position, epoch = c.advance()
+        state = self.bus.keys.state()
+
+        def extra(pipe) -> None:
+            pipe.hset(state, mapping={cursor_field(c.name): position, epoch_field(c.name): epoch})
+            pipe.hincrby(state, INFLIGHT_FIELD, c.group_size)
+
+        try:
+            await self.bus.commit([], [(self.bus.keys.tasks(c.name), task)], extra=extra,
+                                  guard=(state, cursor_field(c.name), c.stored))
+        except CommitConflict:
+            self.log.warning("feeder_cursor_moved", env=c.name, expected=c.stored,
+                             hint="another feeder runs on this run; reloading the cursor")
+            await self._load_cursors()
+            return
+        c.position, c.epoch, c.stored = position, epoch, str(position)
+        self.issued += 1
+        if position == 0:
+            self.log.info("epoch_finished", env=c.name, epoch=epoch - 1, size=c.size)
+
+    async def close(self) -> None:
+        if self.bus is not None:
+            await self.bus.close()
+
+
+def main(config: RlbusConfig, argv: list[str]) -> int:
+    """``rlbus feeder @ cfg.toml``: issue tasks until stopped (or feeder.max_epochs are done)."""
+    parser = argparse.ArgumentParser(prog="rlbus feeder", description=__doc__.splitlines()[0])
+    parser.add_argument("--consumer", default=None, help="worker name in logs (default feeder-HOST-PID)")
+    args = parser.parse_args(argv)
+    configure_logging(config.log)
+    return asyncio.run(run_worker(FeederWorker(config, worker=args.consumer)))

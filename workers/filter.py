@@ -1,0 +1,238 @@
+"""The filter worker: ``rollouts:{env}`` → advantages and pre-batch filters → ``filtered:{env}``.
+
+For every group read (consumer group ``filter``): GRPO advantages over the whole group, then the
+pre-batch filters (an enforcing filter drops the samples it flags; the dropped samples' rewards
+already counted in the baseline). One ``Bus.commit`` per read holds the acks, the filtered
+groups, a ``metrics`` entry and ``HINCRBY inflight −samples`` (the feeder's in-flight count).
+
+Collapse failsafe (ART's): the state field ``zero_variance_streak`` counts consecutive rl groups
+whose rewards are all equal. The filter keeps it because it sees every group exactly once, before
+any filter could drop one. At ``collapse_after()`` the filter sets ``stop_reason``, writes a
+metric and exits with :class:`CollapseError`.
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from bus.errors import CollapseError, ConfigError
+from bus.keys import GROUP_FILTER
+from bus.log import configure_logging, get_logger
+from bus.messages import Metric, RolloutGroup
+from bus.streams import Bus, Entry
+from workers.advantages import assign_advantages, zero_variance
+from workers.config import RlbusConfig
+from workers.feeder import INFLIGHT_FIELD
+from workers.filters import FilterCounts, apply_filters
+from workers.lifecycle import connect_bus, consumer_name, run_worker
+
+STREAK_FIELD = "zero_variance_streak"
+"""State hash field: consecutive rl groups (of ≥ 2 samples) with zero reward variance."""
+
+STOP_REASON_FIELD = "stop_reason"
+"""State hash field: why the run stopped (read by ``rlbus run`` and ``rlbus status``)."""
+
+COLLAPSE_EXIT_CODE = 3
+"""Exit status of a filter that stopped the run for collapse (the supervisor must not restart it)."""
+
+
+def model_vocab_size(model_path: str) -> int:
+    """``vocab_size`` of the model (its config.json), needed by the gibberish filter."""
+    config_file = Path(model_path) / "config.json"
+    if config_file.exists():
+        return int(json.loads(config_file.read_text())["vocab_size"])
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(model_path).vocab_size)
+    except OSError as e:
+        raise ConfigError(
+            f"model.path={model_path!r} has no config.json; point model.path at a model folder"
+        ) from e
+
+
+def collapse_message(streak: int, limit: int) -> str:
+    """What happened and which knobs to turn (ART's message, with rlbus's config names)."""
+    return (
+        f"model collapse: {streak} groups in a row had zero reward variance (every completion of a prompt got the "
+        f"same reward), so every advantage is 0 and training has no signal; the run was stopped. "
+        f"To improve training: lower trainer.lr; check that the env's reward separates good from bad completions; "
+        f"use more diverse prompts or a higher sampling.temperature; use a smaller packer.batch_size. "
+        f"To continue anyway: raise packer.collapse_after (now {limit}, default 100 × the batch in groups) and "
+        f"restart, or reset the state field {STREAK_FIELD!r}."
+    )
+
+
+class FilterWorker:
+    """Turns scored groups into filtered, advantage-annotated groups."""
+
+    def __init__(self, config: RlbusConfig, worker: str | None = None, vocab_size: int | None = None):
+        if not config.env:
+            raise ConfigError("no [[env]] configured; the filter needs at least one env")
+        self.config = config
+        self.worker = consumer_name("filter", worker)
+        self.vocab_size = vocab_size
+        self.collapse_after = config.collapse_after()
+        self.max_completion_tokens = {
+            e.resolved_name: config.env_sampling(e).max_completion_tokens for e in config.env
+        }
+        self.log = get_logger(worker=self.worker, run=config.run.name, role="filter")
+        self.bus: Bus | None = None
+        self.streams: list[str] = []
+        self._stop = asyncio.Event()
+        self.groups = 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def setup(self) -> None:
+        self.bus = await connect_bus(self.config, self.worker)
+        self.streams = [self.bus.keys.rollouts(e.resolved_name) for e in self.config.env]
+        for stream in self.streams:
+            await self.bus.ensure_group(stream, GROUP_FILTER)
+        if self.vocab_size is None:
+            self.vocab_size = model_vocab_size(self.config.model.path)
+        await self._check_collapse()
+        self.log.info(
+            "filter_ready",
+            streams=self.streams,
+            vocab_size=self.vocab_size,
+            collapse_after=self.collapse_after,
+        )
+
+    async def run(self) -> None:
+        last_reclaim = 0.0
+        while not self._stop.is_set():
+            entries: list[Entry] = []
+            if time.monotonic() - last_reclaim > self.config.redis.claim_idle_ms / 1000:
+                last_reclaim = time.monotonic()
+                for stream in self.streams:
+                    entries += await self.bus.reclaim(stream, GROUP_FILTER)
+            if not entries:
+                entries = await self.bus.read_group(
+                    self.streams, GROUP_FILTER, count=16, block_ms=self.config.redis.block_ms
+                )
+            if entries:
+                await self.process(entries)
+                await self._check_collapse()
+        self.log.info("filter_stopped", groups=self.groups)
+
+    async def close(self) -> None:
+        if self.bus is not None:
+            await self.bus.close()
+
+    async def process(self, entries: list[Entry]) -> None:
+        """Advantages + filters for each entry, then one atomic commit of everything."""
+        keys = self.bus.keys
+        acks, outputs, counts = [], [], FilterCounts()
+        finished, rewards, streak = 0, [], _Streak()
+        for entry in entries:
+            group = entry.message
+            if not isinstance(group, RolloutGroup):
+                await self.bus.dead_letter(
+                    entry, reason=f"expected a rollout_group, got {group.KIND}", group=GROUP_FILTER
+                )
+                continue
+            acks.append((entry.stream, GROUP_FILTER, entry.id))
+            if group.eval_step is not None:
+                self.log.warning("eval_group_skipped", stream=entry.stream, task_id=group.task_id)
+                continue
+            finished += len(group.samples)
+            rewards += [s.reward for s in group.samples]
+            kept, group_counts = self.filter_group(group)
+            counts.add(group_counts)
+            if group.mode == "rl" and len(group.samples) >= 2:
+                streak.add(zero_variance([s.reward for s in group.samples]))
+            if kept:
+                outputs.append((keys.filtered(group.env), group.model_copy(update={"samples": kept})))
+        if not acks:
+            return
+        values = counts.metrics("filter") | {
+            "filter/groups": float(len(outputs)),
+            "filter/samples": float(finished),
+        }
+        if rewards:
+            values["filter/reward_mean"] = sum(rewards) / len(rewards)
+        outputs.append((keys.metrics(), Metric(source="filter", values=values)))
+        state = keys.state()
+
+        def extra(pipe) -> None:
+            pipe.hincrby(state, INFLIGHT_FIELD, -finished)
+            streak.apply(pipe, state)
+
+        await self.bus.commit(acks, outputs, extra=extra)
+        self.groups += len(acks)
+        self.log.info(
+            "groups_filtered",
+            groups=len(acks),
+            forwarded=len(outputs) - 1,
+            samples=finished,
+            dropped=counts.seen - sum(len(m.samples) for _, m in outputs[:-1]),
+        )
+
+    def filter_group(self, group: RolloutGroup) -> tuple[list, FilterCounts]:
+        """Advantages (rl groups) then the pre-batch filters; returns the kept samples and the counts."""
+        filters = self.config.filter.pre_batch_filters
+        if group.mode == "rl":
+            max_tokens = self.max_completion_tokens.get(group.env)
+            assign_advantages(group.samples, self.config.filter.advantage, max_tokens)
+        else:
+            filters = [f for f in filters if f.type != "zero_advantage"]
+        return apply_filters(group.samples, filters, self.vocab_size)
+
+    async def _check_collapse(self) -> None:
+        streak = int(await self.bus.state_get(STREAK_FIELD) or 0)
+        if streak < self.collapse_after:
+            return
+        message = collapse_message(streak, self.collapse_after)
+        await self.bus.state_set(**{STOP_REASON_FIELD: message})
+        await self.bus.publish(
+            self.bus.keys.metrics(),
+            Metric(
+                source="filter",
+                values={
+                    "collapse/zero_variance_groups": float(streak),
+                    "collapse/limit": float(self.collapse_after),
+                },
+            ),
+        )
+        self.log.error("model_collapse", streak=streak, collapse_after=self.collapse_after)
+        raise CollapseError(message)
+
+
+class _Streak:
+    """How one commit moves the zero-variance streak: reset at the last varied group, then count."""
+
+    def __init__(self) -> None:
+        self.reset = False
+        self.trailing = 0
+
+    def add(self, is_zero: bool) -> None:
+        if is_zero:
+            self.trailing += 1
+        else:
+            self.reset, self.trailing = True, 0
+
+    def apply(self, pipe, state: str) -> None:
+        if self.reset:
+            pipe.hset(state, STREAK_FIELD, self.trailing)
+        elif self.trailing:
+            pipe.hincrby(state, STREAK_FIELD, self.trailing)
+
+
+def main(config: RlbusConfig, argv: list[str]) -> int:
+    """``rlbus filter @ cfg.toml``: compute advantages and filter groups until stopped."""
+    parser = argparse.ArgumentParser(prog="rlbus filter", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--consumer", default=None, help="consumer name in the group (default filter-HOST-PID)"
+    )
+    args = parser.parse_args(argv)
+    configure_logging(config.log)
+    try:
+        return asyncio.run(run_worker(FilterWorker(config, worker=args.consumer)))
+    except CollapseError as e:
+        print(f"rlbus filter: {e}", file=sys.stderr)
+        return COLLAPSE_EXIT_CODE

@@ -1,0 +1,56 @@
+"""The staleness gate: a rollout starts only while the served policy is recent enough.
+
+Admission (ART's ``_wait_for_policy``, prime-rl's ``max_off_policy_steps``): with
+``next_step = trained + 1`` (the step the trainer works on next), a training group may start
+while ``served ≥ next_step − max_off_policy_steps``. ``served`` is the oldest version any
+inference server serves, so a group started now is at most ``max_off_policy_steps`` behind the
+step it will be trained in. The packer re-checks when it builds a step (the guarantee); the gate
+only keeps rollouts from running ahead (admission).
+
+Eval tasks carry ``eval_step``: they wait until every server serves at least that version and
+are never held back as stale, however far training has moved on.
+"""
+
+import asyncio
+import time
+
+from bus.policy import PolicyTracker
+
+
+def admits(served: int, trained: int, max_off_policy_steps: int, eval_step: int | None = None) -> bool:
+    """Whether a group may start now (pure: served/trained versions in, decision out)."""
+    if eval_step is not None:
+        return served >= eval_step
+    next_step = trained + 1
+    return served >= next_step - max_off_policy_steps
+
+
+class StalenessGate:
+    """Blocks rollouts until :func:`admits` holds, reading ``policy`` events as they arrive.
+
+    Many groups of one worker wait on one gate: a single waiter at a time blocks on the
+    ``policy`` stream (XREAD BLOCK through the tracker); the others re-check when it wakes.
+    """
+
+    def __init__(self, tracker: PolicyTracker, max_off_policy_steps: int, block_ms: int = 1_000):
+        self.tracker = tracker
+        self.max_off_policy_steps = max_off_policy_steps
+        self.block_ms = block_ms
+        self._lock = asyncio.Lock()
+
+    def is_open(self, eval_step: int | None = None) -> bool:
+        """Whether a group would be admitted with the versions the tracker has seen so far."""
+        return admits(self.tracker.served, self.tracker.trained, self.max_off_policy_steps, eval_step)
+
+    async def wait(self, eval_step: int | None = None, stop: asyncio.Event | None = None) -> float:
+        """Wait until admitted; returns seconds waited. Returns early (not admitted) once ``stop`` is set."""
+        started = time.monotonic()
+        async with self._lock:
+            await self.tracker.refresh()
+        while not self.is_open(eval_step):
+            if stop is not None and stop.is_set():
+                break
+            async with self._lock:
+                if not self.is_open(eval_step):
+                    await self.tracker.refresh(block_ms=self.block_ms)
+        return time.monotonic() - started

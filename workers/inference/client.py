@@ -1,0 +1,189 @@
+"""Async OpenAI-compatible client over one or more inference servers (built-in or vLLM).
+
+Requests go round-robin over ``base_urls``; a group of samples is pinned to one server by passing
+``server_index=client.pick_server()`` to each call. Connection errors, timeouts, 429 and 5xx are
+retried with exponential backoff (on the next server after the first retry); other 4xx fail at once.
+"""
+
+import asyncio
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from bus.errors import RetryableError, RlbusError
+
+if TYPE_CHECKING:
+    from workers.config import RlbusConfig
+
+
+class InferenceRequestError(RlbusError):
+    """The server rejected the request (4xx); retrying will not help."""
+
+
+class InferenceUnavailableError(RetryableError):
+    """No server answered after every retry."""
+
+
+@dataclass
+class CompletionChoice:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str = ""
+
+
+@dataclass
+class CompletionResult:
+    choices: list[CompletionChoice]
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    """Logprob of each prompt token given the ones before (None for the first); empty unless asked."""
+    policy_version: int | None = None
+    """Weights version that started the generation (None from servers that do not report it, e.g. vLLM)."""
+    policy_version_end: int | None = None
+
+
+class InferenceClient:
+    """One aiohttp session over ``base_urls`` (each like ``http://host:port/v1``)."""
+
+    def __init__(self, base_urls: list[str], timeout_s: float = 300.0, max_retries: int = 3,
+                 api_key_var: str | None = None, headers_from_env: dict[str, str] | None = None,
+                 backoff_s: float = 0.5):
+        if not base_urls:
+            raise ValueError("InferenceClient needs at least one base URL (inference.base_urls)")
+        self.base_urls = [u.rstrip("/") for u in base_urls]
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.headers = _headers(api_key_var, headers_from_env or {})
+        self._next = itertools.cycle(range(len(self.base_urls)))
+        self._session: aiohttp.ClientSession | None = None
+        self._model_names: dict[int, str] = {}
+
+    @classmethod
+    def from_config(cls, config: "RlbusConfig") -> "InferenceClient":
+        cfg = config.inference
+        urls = cfg.base_urls or [f"http://{cfg.host}:{cfg.port + i}/v1" for i in range(cfg.servers)]
+        return cls(urls, cfg.request_timeout_s, cfg.max_retries, cfg.api_key_var, cfg.headers_from_env)
+
+    def pick_server(self) -> int:
+        """The next server index, round-robin (pin a group's requests to it)."""
+        return next(self._next)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "InferenceClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def completions(self, prompt_token_ids: list[int], *, n: int = 1, temperature: float = 1.0,
+                          top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, max_tokens: int | None = None,
+                          stop: list[str] | None = None, seed: int | None = None, logprobs: bool = True,
+                          prompt_logprobs: bool = False, server_index: int | None = None,
+                          extra_body: dict[str, Any] | None = None) -> CompletionResult:
+        """Sample ``n`` completions of a token-id prompt; token ids and logprobs come back per choice."""
+        index = self.pick_server() if server_index is None else server_index
+        body: dict[str, Any] = {
+            "model": await self._model_name(index), "prompt": list(prompt_token_ids), "n": n,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+            "max_tokens": max_tokens, "stop": stop or None, "seed": seed, "return_token_ids": True,
+            "logprobs": 0 if logprobs else None, "prompt_logprobs": 0 if prompt_logprobs else None,
+            **(extra_body or {}),
+        }
+        # max_tokens stays even when None: null means "until EOS or the context limit" (absent means 16).
+        sent = {k: v for k, v in body.items() if v is not None or k == "max_tokens"}
+        data = await self.post("/completions", sent, index)
+        return _parse_completion(data, prompt_token_ids)
+
+    async def chat(self, messages: list[dict[str, str]], *, server_index: int | None = None,
+                   **fields: Any) -> dict[str, Any]:
+        """A raw chat completion (response JSON) for callers that want text."""
+        index = self.pick_server() if server_index is None else server_index
+        body = {"model": await self._model_name(index), "messages": messages, **fields}
+        return await self.post("/chat/completions", body, index)
+
+    async def post(self, path: str, body: dict[str, Any], server_index: int) -> dict[str, Any]:
+        """POST with retries: the pinned server first, then the following ones."""
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            url = self.base_urls[(server_index + max(0, attempt - 1)) % len(self.base_urls)] + path
+            try:
+                return await self._post_once(url, body)
+            except (aiohttp.ClientError, TimeoutError, RetryableError) as e:
+                last = e
+            if attempt < self.max_retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise InferenceUnavailableError(f"POST {path} failed after {self.max_retries + 1} tries "
+                                        f"(servers {self.base_urls}): {last}") from last
+
+    async def _post_once(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        session = self._get_session()
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+            if resp.status == 429 or resp.status >= 500:
+                raise RetryableError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
+            if resp.status >= 400:
+                raise InferenceRequestError(f"{url} rejected the request ({resp.status}): {(await resp.text())[:500]}")
+            return await resp.json()
+
+    async def _model_name(self, index: int) -> str:
+        """The served model id of server ``index`` (vLLM checks it), asked once."""
+        if index not in self._model_names:
+            url = self.base_urls[index % len(self.base_urls)] + "/models"
+            for attempt in range(self.max_retries + 1):
+                try:
+                    async with self._get_session().get(url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                        r.raise_for_status()
+                        self._model_names[index] = (await r.json())["data"][0]["id"]
+                        break
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    if attempt == self.max_retries:
+                        raise InferenceUnavailableError(f"GET {url} failed: {e}") from e
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+        return self._model_names[index]
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(headers=self.headers,
+                                                  connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+
+def _headers(api_key_var: str | None, headers_from_env: dict[str, str]) -> dict[str, str]:
+    headers = {}
+    if api_key_var:
+        key = os.environ.get(api_key_var)
+        if key is None:
+            raise ValueError(f"inference.api_key_var={api_key_var!r} is not set in the environment; export it")
+        headers["Authorization"] = f"Bearer {key}"
+    for name, var in headers_from_env.items():
+        value = os.environ.get(var)
+        if value is None:
+            raise ValueError(f"inference.headers_from_env[{name!r}] reads ${var}, which is not set; export it")
+        headers[name] = value
+    return headers
+
+
+def _parse_completion(data: dict[str, Any], prompt_token_ids: list[int]) -> CompletionResult:
+    """Read a completions response of the built-in server or vLLM (token ids and logprobs per choice)."""
+    choices = []
+    for c in sorted(data["choices"], key=lambda c: c["index"]):
+        lps = (c.get("logprobs") or {}).get("token_logprobs") or []
+        choices.append(CompletionChoice([int(t) for t in c.get("token_ids") or []], [float(x) for x in lps],
+                                        c.get("finish_reason") or "stop", c.get("text") or ""))
+    first = data["choices"][0] if data["choices"] else {}
+    prompt_ids = first.get("prompt_token_ids") or data.get("prompt_token_ids") or list(prompt_token_ids)
+    raw = first.get("prompt_logprobs") or data.get("prompt_logprobs")
+    prompt_lps: list[float | None] = []
+    if raw:
+        for token, entry in zip(prompt_ids, raw, strict=False):
+            prompt_lps.append(None if entry is None else float(entry[str(token)]["logprob"]))
+    return CompletionResult(choices, list(prompt_ids), prompt_lps, data.get("policy_version"),
+                            data.get("policy_version_end"))

@@ -1,0 +1,392 @@
+"""Dynamic-batching generation with a KV cache, for any Hugging Face causal LM with full attention.
+
+One engine thread owns the model. Each iteration it runs queued calls (weight loads), prefills the
+requests that arrived since the last step (left-padded, one forward pass), merges their KV cache rows
+into the running batch, then decodes one token for every active sequence in one forward pass. A
+finished sequence leaves the batch at once; a new request joins at the next step.
+
+The batch's KV cache is left-aligned: row ``i`` holds its tokens at the right end of the time axis and
+padding (masked out) on the left, so rows of different lengths decode together; columns that are padding
+in every row are trimmed when sequences leave.
+"""
+
+import concurrent.futures
+import inspect
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from workers.inference.sampling import RowParams, SamplingParams, sample
+
+
+@dataclass
+class Choice:
+    """One generated sequence."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    text: str
+    finish_reason: str
+    """``stop`` (eos, stop token or stop string) or ``length``."""
+    stop_reason: str | int | None
+
+
+@dataclass
+class Generation:
+    """The answer to one request: ``n`` choices sharing one prompt."""
+
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None
+    """Per prompt token: None for the first, else {token id: (logprob, rank)} for the token and the top k."""
+    choices: list[Choice]
+    policy_version: int
+    """Policy version when generation started (the oldest weights that produced a token)."""
+    policy_version_end: int
+    """Policy version when the last choice finished."""
+
+
+@dataclass
+class Request:
+    """A queued request; set ``cancelled`` to drop its sequences at the next step."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: concurrent.futures.Future
+    cancelled: bool = False
+    choices: list[Choice | None] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    version: int = 0
+
+
+@dataclass
+class _Seq:
+    request: Request
+    index: int
+    generator: torch.Generator | None
+    out_ids: list[int] = field(default_factory=list)
+    out_lps: list[float] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] | None = None
+    checked_text: int = 0
+
+
+class Engine:
+    """Continuous batching over one model; thread-safe ``submit`` and ``call_between_steps``."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch_size: int, max_model_len: int,
+                 eos_token_ids: set[int], policy_version: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        # transformers 5.2x renamed ``past_key_values`` to ``cache``; accept either.
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.policy_version = policy_version
+        self.generated_tokens = 0
+        self.steps = 0
+        self.prefills = 0
+        self.error: BaseException | None = None
+        self._pending: deque[Request] = deque()
+        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="inference-engine", daemon=True)
+        self._reset_batch()
+
+    # Public, thread-safe.
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def active(self) -> int:
+        return len(self._seqs)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; ``request.future`` resolves to a :class:`Generation`."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room within "
+                             f"max_model_len={self.max_model_len}; shorten it or raise inference.max_model_len")
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}; lower max_tokens")
+        if params.n > self.max_batch_size:
+            raise ValueError(f"n={params.n} exceeds inference.max_batch_size={self.max_batch_size}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        request = Request(list(prompt_ids), params, concurrent.futures.Future(), choices=[None] * params.n)
+        with self._cond:
+            if self.error is not None or self._stop:
+                raise RuntimeError(f"inference engine is not running: {self.error!r}")
+            self._pending.append(request)
+            self._cond.notify()
+        return request
+
+    def call_between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between two decode steps (e.g. load new weights in place)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    # Engine thread.
+
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    calls, new = self._wait_for_work()
+                    if calls is None:
+                        break
+                    for fn, future in calls:
+                        _run_call(fn, future)
+                    self._drop_cancelled()
+                    if new:
+                        self._prefill(new)
+                    if self._seqs:
+                        self._decode()
+        except BaseException as e:  # the engine is dead: fail every waiting request
+            self.error = e
+            for request in [s.request for s in self._seqs] + list(self._pending):
+                if not request.future.done():
+                    request.future.set_exception(RuntimeError(f"inference engine failed: {e!r}"))
+            raise
+
+    def _wait_for_work(self) -> tuple[list | None, list[Request]]:
+        with self._cond:
+            while not self._stop and not self._calls and not self._pending and not self._seqs:
+                self._cond.wait()
+            if self._stop:
+                return None, []
+            calls = list(self._calls)
+            self._calls.clear()
+            new: list[Request] = []
+            room = self.max_batch_size - len(self._seqs)
+            while self._pending and self._pending[0].params.n <= room:
+                request = self._pending.popleft()
+                if request.cancelled:
+                    continue
+                new.append(request)
+                room -= request.params.n
+            return calls, new
+
+    def _reset_batch(self) -> None:
+        self._seqs: list[_Seq] = []
+        self._cache = DynamicCache(config=self.model.config)
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self._next_pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._last = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._rows: RowParams | None = None
+
+    def _prefill(self, requests: list[Request]) -> None:
+        self.prefills += 1
+        lengths = [len(r.prompt_ids) for r in requests]
+        width = max(lengths)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - lengths[i]:] = torch.tensor(r.prompt_ids)
+            mask[i, width - lengths[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_prompt = any(r.params.prompt_logprobs is not None for r in requests)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self._cache_arg: cache}, logits_to_keep=0 if want_prompt else 1)
+        for i, r in enumerate(requests):
+            r.version = self.policy_version
+            if r.params.prompt_logprobs is not None:
+                r.prompt_logprobs = _prompt_logprobs(out.logits[i, width - lengths[i]:], r.prompt_ids,
+                                                     r.params.prompt_logprobs)
+        rows = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor([r.params.n for r in requests]))
+        seqs = [_Seq(r, j, _generator(r.params.seed, j)) for r in requests for j in range(r.params.n)]
+        rows_dev = rows.to(self.device)
+        last_logits = out.logits[:, -1].index_select(0, rows_dev)
+        new_pos = torch.tensor(lengths, device=self.device).index_select(0, rows_dev)
+        self._merge(seqs, _layers(cache), mask.index_select(0, rows_dev), new_pos, rows_dev)
+        params = RowParams.build([s.request.params for s in seqs], [s.generator for s in seqs])
+        tokens, chosen, full = sample(last_logits, params)
+        start = len(self._seqs) - len(seqs)
+        self._last[start:] = tokens
+        self._rows = None
+        self._record(seqs, tokens, chosen, full, offset=start)
+
+    def _merge(self, seqs: list[_Seq], layers: list[DynamicLayer], mask: torch.Tensor,
+               next_pos: torch.Tensor, rows: torch.Tensor) -> None:
+        """Append new rows (KV cache, mask, positions) to the batch, left-padding the shorter side."""
+        old_width, new_width = self._mask.shape[1], mask.shape[1]
+        width = max(old_width, new_width)
+        mine = _layers(self._cache)
+        for layer, new in zip(mine, layers, strict=True):
+            keys, values = new.keys.index_select(0, rows), new.values.index_select(0, rows)
+            if self._seqs:
+                keys = torch.cat([_pad_time(layer.keys, width), _pad_time(keys, width)], dim=0)
+                values = torch.cat([_pad_time(layer.values, width), _pad_time(values, width)], dim=0)
+            else:
+                layer.is_initialized = True
+            layer.keys, layer.values = keys, values
+        self._mask = torch.cat([F.pad(self._mask, (width - old_width, 0)), F.pad(mask, (width - new_width, 0))])
+        self._next_pos = torch.cat([self._next_pos, next_pos])
+        self._last = torch.cat([self._last, torch.zeros(len(seqs), dtype=torch.long, device=self.device)])
+        self._seqs.extend(seqs)
+
+    def _decode(self) -> None:
+        if self._rows is None:
+            self._rows = RowParams.build([s.request.params for s in self._seqs], [s.generator for s in self._seqs])
+        batch = len(self._seqs)
+        self._mask = torch.cat([self._mask, torch.ones((batch, 1), dtype=torch.long, device=self.device)], dim=1)
+        out = self.model(input_ids=self._last[:, None], attention_mask=self._mask,
+                         position_ids=self._next_pos[:, None], use_cache=True,
+                         **{self._cache_arg: self._cache})
+        self._next_pos += 1
+        tokens, chosen, full = sample(out.logits[:, -1], self._rows)
+        self._last = tokens
+        self.steps += 1
+        self._record(list(self._seqs), tokens, chosen, full, offset=0)
+
+    def _record(self, seqs: list[_Seq], tokens: torch.Tensor, chosen: torch.Tensor, full: torch.Tensor,
+                offset: int) -> None:
+        """Append each row's token, finish the sequences that are done, and drop them from the batch."""
+        token_list, lp_list = tokens.tolist(), chosen.tolist()
+        self.generated_tokens += len(token_list)
+        done = []
+        for i, seq in enumerate(seqs):
+            seq.out_ids.append(token_list[i])
+            seq.out_lps.append(lp_list[i])
+            k = seq.request.params.logprobs
+            if k:
+                values, ids = torch.topk(full[i], k)
+                seq.tops = (seq.tops or []) + [list(zip(ids.tolist(), values.tolist(), strict=True))]
+            choice = self._finished(seq)
+            if choice is not None:
+                done.append(offset + i)
+                self._complete(seq, choice)
+        if done:
+            self._remove(set(done))
+
+    def _finished(self, seq: _Seq) -> Choice | None:
+        p = seq.request.params
+        token, count = seq.out_ids[-1], len(seq.out_ids)
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        text_end: int | None = None
+        if count > p.min_tokens and token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif count > p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif p.stop and count > p.min_tokens:
+            text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=True)
+            start = max(0, seq.checked_text - max(len(s) for s in p.stop))
+            hits = [(text.find(s, start), s) for s in p.stop if text.find(s, start) >= 0]
+            seq.checked_text = len(text)
+            if hits:
+                text_end, stop_reason = min(hits)
+                reason = "stop"
+        if reason is None and ((p.max_tokens is not None and count >= p.max_tokens)
+                               or len(seq.request.prompt_ids) + count >= self.max_model_len):
+            reason = "length"
+        if reason is None:
+            return None
+        text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=True)
+        return Choice(seq.out_ids, seq.out_lps, seq.tops, text[:text_end] if text_end is not None else text,
+                      reason, stop_reason)
+
+    def _complete(self, seq: _Seq, choice: Choice) -> None:
+        request = seq.request
+        request.choices[seq.index] = choice
+        if all(c is not None for c in request.choices) and not request.future.done():
+            request.future.set_result(Generation(request.prompt_ids, request.prompt_logprobs, request.choices,
+                                                 request.version, self.policy_version))
+
+    def _drop_cancelled(self) -> None:
+        gone = {i for i, s in enumerate(self._seqs) if s.request.cancelled}
+        if gone:
+            self._remove(gone)
+
+    def _remove(self, gone: set[int]) -> None:
+        keep = [i for i in range(len(self._seqs)) if i not in gone]
+        if not keep:
+            self._reset_batch()
+            return
+        index = torch.tensor(keep, device=self.device)
+        mask = self._mask.index_select(0, index)
+        first = int(mask.any(0).nonzero()[0])  # columns left of this are padding in every kept row
+        for layer in _layers(self._cache):
+            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+            layer.values = layer.values.index_select(0, index)[:, :, first:]
+        self._mask = mask[:, first:]
+        self._next_pos = self._next_pos.index_select(0, index)
+        self._last = self._last.index_select(0, index)
+        self._seqs = [self._seqs[i] for i in keep]
+        self._rows = None
+
+
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise TypeError(
+                f"the built-in inference server needs full-attention cache layers, got {type(layer).__name__}; "
+                "use inference.backend = 'vllm' for this model"
+            )
+    return cache.layers
+
+
+def _pad_time(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad the time axis (dim 2 of [B, H, T, D]) with zeros to ``width``."""
+    return F.pad(x, (0, 0, width - x.shape[2], 0)) if x.shape[2] < width else x
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed(seed + index)
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list[dict[int, tuple[float, int]] | None]:
+    """Logprob and rank (1 = most likely) of each prompt token given the ones before it, plus the top k."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+    targets = torch.tensor(prompt_ids[1:], device=logprobs.device)
+    chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+    out: list[dict[int, tuple[float, int]] | None] = [None]
+    top_values, top_ids = torch.topk(logprobs, k) if k else (None, None)
+    for t, (token, lp, rank) in enumerate(zip(prompt_ids[1:], chosen.tolist(), ranks.tolist(), strict=True)):
+        entry = {token: (lp, rank)}
+        if k:
+            for r, (tid, value) in enumerate(zip(top_ids[t].tolist(), top_values[t].tolist(), strict=True)):
+                entry.setdefault(tid, (value, r + 1))
+        out.append(entry)
+    return out
+
+
+def _run_call(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+    try:
+        future.set_result(fn())
+    except Exception as e:  # the caller decides; the engine keeps serving
+        future.set_exception(e)
+

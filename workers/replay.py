@@ -1,0 +1,80 @@
+"""``rlbus replay --from-run A --to-run B --stream rollouts|batches [--env E] [--start ID] [--end ID]``.
+
+Copies the recorded entries of run A's ``rollouts:{env}`` (or every ``batches:{step}``) into the
+same streams of run B, in order, with new entry ids; each copy keeps its original id and run in
+the header fields ``orig_id`` and ``orig_run``. Then B's workers consume them as if produced
+live: replayed rollouts are filtered, packed and trained; replayed batches go straight to a
+trainer (same seed and model ⇒ the same per-step losses as run A).
+"""
+
+import argparse
+import sys
+
+import redis
+
+from bus.keys import Keys
+from workers.config import RlbusConfig
+
+CHUNK = 500
+
+
+def source_streams(client: redis.Redis, src: Keys, family: str, env: str | None) -> list[str]:
+    """The streams of run ``src`` to copy, in order (batches by step number)."""
+    if family == "rollouts" and env is not None:
+        return [src.rollouts(env)] if client.exists(src.rollouts(env)) else []
+    found = [k.decode() for k in client.scan_iter(match=f"{src.prefix}{family}:*", count=1000)]
+    found = [k for k in found if client.type(k) == b"stream"]
+    if family == "batches":
+        return sorted(found, key=lambda k: int(src.suffix(k)))
+    return sorted(found)
+
+
+def copy_stream(client: redis.Redis, src: Keys, dst: Keys, stream: str, start: str, end: str) -> int:
+    """Copy the entries of ``stream`` with ids in [start, end] to the same stream of ``dst``; returns the count."""
+    target = dst.prefix + stream[len(src.prefix):]
+    copied, low = 0, start
+    while True:
+        rows = client.xrange(stream, min=low, max=end, count=CHUNK)
+        pipe = client.pipeline(transaction=False)
+        for raw_id, fields in rows:
+            header = {k: v for k, v in fields.items() if k != b"data"}
+            pipe.xadd(target, {**header, b"orig_run": src.run, b"orig_id": raw_id, b"data": fields[b"data"]})
+        pipe.execute()
+        copied += len(rows)
+        if len(rows) < CHUNK:
+            return copied
+        low = "(" + rows[-1][0].decode()
+
+
+def replay(client: redis.Redis, from_run: str, to_run: str, family: str, env: str | None = None,
+           start: str = "-", end: str = "+") -> dict[str, int]:
+    """Copy run ``from_run``'s ``family`` streams into run ``to_run``; stream → entries copied."""
+    src, dst = Keys(from_run), Keys(to_run)
+    if src == dst:
+        raise ValueError("--from-run and --to-run are the same run; replay into a new run name")
+    return {s: copy_stream(client, src, dst, s, start, end) for s in source_streams(client, src, family, env)}
+
+
+def main(config: RlbusConfig | None, argv: list[str]) -> int:
+    """``rlbus replay``: copy recorded rollouts or batches of one run into another run's streams."""
+    parser = argparse.ArgumentParser(prog="rlbus replay", description=__doc__.splitlines()[0])
+    parser.add_argument("--from-run", required=True, help="run whose entries are copied")
+    parser.add_argument("--to-run", required=True, help="run that receives them")
+    parser.add_argument("--stream", required=True, choices=("rollouts", "batches"), help="stream family to copy")
+    parser.add_argument("--env", default=None, help="only rollouts:{ENV} (default: every env)")
+    parser.add_argument("--start", default="-", help="first entry id to copy (default: the oldest)")
+    parser.add_argument("--end", default="+", help="last entry id to copy (default: the newest)")
+    parser.add_argument("--redis-url", default=None, help="Redis holding both runs (default: redis.url of the config)")
+    args = parser.parse_args(argv)
+    url = args.redis_url or (config.redis.url if config is not None else None)
+    if not url:
+        print("rlbus replay: no Redis given; pass --redis-url redis://HOST:PORT/0", file=sys.stderr)
+        return 2
+    client = redis.Redis.from_url(url)
+    copied = replay(client, args.from_run, args.to_run, args.stream, args.env, args.start, args.end)
+    if not copied:
+        print(f"rlbus replay: run {args.from_run!r} has no {args.stream} streams in {url}", file=sys.stderr)
+        return 1
+    for stream, count in copied.items():
+        print(f"copied {count} entries {stream} → {Keys(args.to_run).prefix}{stream[len(Keys(args.from_run).prefix):]}")
+    return 0

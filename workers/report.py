@@ -1,0 +1,123 @@
+"""The end of a run: ``summary.json`` (what happened, in numbers) and ``report.png`` (the curves).
+
+Both are built from the rows of ``metrics.jsonl`` (see :mod:`workers.metrics_writer`) plus the
+group counts. Metric names: the trainer's ``reward_mean`` and ``tokens_per_s``, the packer's
+``packer/groups``, ``packer/stale_groups`` and ``packer/tokens`` per step, the eval's ``eval/{env}/…``.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+
+def series(rows: list[Row], key: str, source: str | None = None) -> dict[int, float]:
+    """Step → value of ``key`` (the last report of each step wins), from rows that have a step."""
+    out: dict[int, float] = {}
+    for row in rows:
+        if key in row and row.get("step") is not None and (source is None or row["source"] == source):
+            out[int(row["step"])] = float(row[key])
+    return dict(sorted(out.items()))
+
+
+def train_reward(rows: list[Row]) -> dict[int, float]:
+    """Mean training reward per step (of the samples the trainer trained on; else the packer's report)."""
+    return series(rows, "reward_mean", "trainer") or series(rows, "packer/reward_mean", "packer")
+
+
+def stale_fraction(rows: list[Row]) -> dict[int, float]:
+    """Per step: groups dropped as stale / (groups packed + dropped)."""
+    kept, stale = series(rows, "packer/groups", "packer"), series(rows, "packer/stale_groups", "packer")
+    return {s: stale.get(s, 0.0) / (kept[s] + stale.get(s, 0.0)) for s in kept if kept[s] + stale.get(s, 0.0) > 0}
+
+
+def rollout_tokens_per_s(rows: list[Row]) -> dict[int, float]:
+    """Per step: tokens of the samples the packer put in the step / seconds since the previous step was packed."""
+    packed = [(int(r["step"]), float(r["at"]), float(r["packer/tokens"])) for r in rows
+              if r["source"] == "packer" and "packer/tokens" in r and r.get("step") is not None]
+    packed.sort(key=lambda p: p[1])
+    return {step: tokens / (at - prev_at) for (_, prev_at, _), (step, at, tokens) in zip(packed, packed[1:])
+            if at > prev_at}
+
+
+def eval_results(rows: list[Row]) -> dict[int, dict[str, float]]:
+    """Eval step → its metrics (all eval envs merged)."""
+    out: dict[int, dict[str, float]] = {}
+    for row in rows:
+        if row["source"] == "eval" and row.get("step") is not None:
+            values = {k: v for k, v in row.items() if k.startswith("eval/")}
+            out.setdefault(int(row["step"]), {}).update(values)
+    return dict(sorted(out.items()))
+
+
+def reward_points(rewards: dict[int, float]) -> dict[str, Any]:
+    """First, last and best step of the training reward curve."""
+    if not rewards:
+        return {"first": None, "last": None, "best": None}
+    first, last = min(rewards), max(rewards)
+    best = max(rewards, key=lambda s: rewards[s])
+    return {
+        "first": {"step": first, "reward": rewards[first]},
+        "last": {"step": last, "reward": rewards[last]},
+        "best": {"step": best, "reward": rewards[best]},
+    }
+
+
+def build_summary(
+    rows: list[Row], *, run: str, steps_trained: int, max_steps: int | None, wall_s: float,
+    groups: dict[str, int], restarts: dict[str, int], stopped_because: str,
+) -> dict[str, Any]:
+    """Everything ``summary.json`` holds."""
+    return {
+        "run": run,
+        "steps_trained": steps_trained,
+        "max_steps": max_steps,
+        "wall_s": round(wall_s, 1),
+        "stopped_because": stopped_because,
+        "reward": reward_points(train_reward(rows)),
+        "eval": {str(step): values for step, values in eval_results(rows).items()},
+        "groups": groups,
+        "restarts": restarts,
+    }
+
+
+def write_summary(summary: dict[str, Any], output_dir: Path) -> Path:
+    path = Path(output_dir) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+def write_report(rows: list[Row], output_dir: Path, title: str = "") -> Path:
+    """``report.png``: training reward and eval curves, tokens/s, stale fraction, each against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    ax = axes[0]
+    rewards = train_reward(rows)
+    ax.plot(list(rewards), list(rewards.values()), label="train reward", color="tab:blue")
+    evals = eval_results(rows)
+    for key in sorted({k for v in evals.values() for k in v if k.endswith("/reward") or "/pass@1" in k}):
+        points = {s: v[key] for s, v in evals.items() if key in v}
+        ax.plot(list(points), list(points.values()), "o-", label=key)
+    ax.set(title="reward", xlabel="step")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for label, points in (("trainer tok/s", series(rows, "tokens_per_s", "trainer")),
+                          ("rollout tok/s (packed)", rollout_tokens_per_s(rows))):
+        ax.plot(list(points), list(points.values()), label=label)
+    ax.set(title="throughput", xlabel="step", ylabel="tokens/s")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    stale = stale_fraction(rows)
+    ax.plot(list(stale), list(stale.values()), color="tab:red")
+    ax.set(title="stale fraction (groups dropped / built)", xlabel="step", ylim=(-0.02, 1.02))
+    if title:
+        fig.suptitle(title)
+    path = Path(output_dir) / "report.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,251 @@
+"""The rollout worker: ``tasks:{env}`` → scored groups in ``rollouts:{env}``.
+
+A member of consumer group ``rollout`` on every env's task stream. Up to
+``rollout.max_concurrent_groups`` groups run at once; each waits on the staleness gate, plays its
+episodes (:mod:`workers.episode`) and commits the RolloutGroup together with the task's XACK in
+one MULTI, so a group is published once or not at all.
+
+- Failures: an attempt that raises is retried ``env.max_retries`` times, ``rollout.retry_delay_s``
+  apart; then the task goes to ``dead`` with the error, and ``inflight`` drops by its group size,
+  in one MULTI.
+- Crashes: while a group runs, the worker re-claims its task every ``claim_idle_ms / 3``
+  (XCLAIM JUSTID) so the task never looks idle; a worker killed with ``kill -9`` stops doing so
+  and another worker takes the task over (``Bus.reclaim``) after ``redis.claim_idle_ms``.
+- SIGTERM: no new tasks; groups past the gate finish and commit; groups still at the gate are
+  handed back (ack + re-add in one MULTI) for another worker.
+"""
+
+import argparse
+import asyncio
+import time
+
+from bus.keys import GROUP_ROLLOUT
+from bus.log import configure_logging, get_logger
+from bus.messages import DeadLetter, Metric, RolloutGroup, Task
+from bus.policy import PolicyTracker
+from bus.streams import Bus, Entry
+from workers.config import EnvConfig, EvalEnvConfig, RlbusConfig, SamplingConfig
+from workers.episode import ChatTokens, GroupRunner
+from workers.feeder import INFLIGHT_FIELD
+from workers.gate import StalenessGate
+from workers.lifecycle import connect_bus, consumer_name, run_worker
+
+
+class RolloutWorker:
+    """Rolls out tasks of every configured env (train and eval) until stopped."""
+
+    def __init__(self, config: RlbusConfig, worker: str | None = None):
+        self.config = config
+        self.worker = consumer_name("rollout", worker)
+        self.log = get_logger(worker=self.worker, run=config.run.name, role="rollout")
+        self.train_envs: dict[str, EnvConfig] = {e.resolved_name: e for e in config.env}
+        self.eval_envs: dict[str, EnvConfig] = {e.resolved_name: e for e in config.eval.env}
+        self.envs = {**self.eval_envs, **self.train_envs}
+        """Every env whose tasks this worker reads (an eval env named like a train env shares its server)."""
+        self.bus: Bus | None = None
+        self.handles: dict = {}
+        self.clients: list = []
+        self.runner: GroupRunner | None = None
+        self.sft_runner: GroupRunner | None = None
+        self.gate: StalenessGate | None = None
+        self.streams: list[str] = []
+        self._running: dict[tuple[str, str], Entry] = {}
+        self._stop = asyncio.Event()
+        self._next_start = 0.0
+        self.groups_done = 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        from workers.env_server import EnvHandle
+        from workers.inference.client import InferenceClient
+
+        cfg = self.config
+        self.bus = await connect_bus(cfg, self.worker)
+        self.streams = [self.bus.keys.tasks(name) for name in self.envs]
+        for stream in self.streams:
+            await self.bus.ensure_group(stream, GROUP_ROLLOUT)
+        handles = await asyncio.gather(
+            *(EnvHandle.start(env, timeout_s=cfg.rollout.env_timeout_s) for env in self.envs.values())
+        )
+        self.handles = dict(zip(self.envs, handles, strict=True))
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.path)
+        chat = ChatTokens(tokenizer)
+        client = self._client(InferenceClient, cfg.inference.base_urls, "inference.base_urls")
+        teacher = None
+        if any(e.mode in ("opd", "sft") for e in self.envs.values()):
+            teacher = self._client(InferenceClient, cfg.teacher.base_urls, "teacher.base_urls")
+        tracker = PolicyTracker(self.bus)
+        self.gate = StalenessGate(tracker, cfg.packer.max_off_policy_steps, cfg.redis.block_ms)
+        served = lambda: tracker.served  # noqa: E731
+        self.runner = GroupRunner(chat, client, teacher, cfg.inference.max_model_len, fallback_version=served)
+        if teacher is not None:
+            self.sft_runner = GroupRunner(chat, teacher, teacher, cfg.inference.max_model_len, fallback_version=served)
+        self.log.info("rollout_ready", envs=list(self.envs), max_concurrent_groups=cfg.rollout.max_concurrent_groups)
+
+    def _client(self, cls, base_urls: list[str], name: str):
+        from bus.errors import ConfigError
+
+        if not base_urls:
+            raise ConfigError(f"{name} is empty; list the servers (http://HOST:PORT/v1) or start them with `rlbus run`")
+        inf = self.config.inference
+        client = cls(base_urls, timeout_s=inf.request_timeout_s, max_retries=inf.max_retries,
+                     api_key_var=inf.api_key_var, headers_from_env=inf.headers_from_env)
+        self.clients.append(client)
+        return client
+
+    async def run(self) -> None:
+        limit = self.config.rollout.max_concurrent_groups
+        active: set[asyncio.Task] = set()
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            while not self._stop.is_set():
+                if len(active) >= limit:
+                    await asyncio.wait(active, return_when=asyncio.FIRST_COMPLETED)
+                elif await self._rate_limit():
+                    count = 1 if self.config.rollout.tasks_per_minute else limit - len(active)
+                    for entry in await self._next_entries(count):
+                        self._running[(entry.stream, entry.id)] = entry
+                        active.add(asyncio.create_task(self._handle(entry)))
+                for done in [t for t in active if t.done()]:
+                    active.discard(done)
+                    done.result()  # anything but a rollout failure (Redis down, a bug) crashes the worker
+            if active:
+                self.log.info("rollout_draining", groups=len(active))
+                await asyncio.gather(*active)
+        finally:
+            heartbeat.cancel()
+        self.log.info("rollout_stopped", groups_done=self.groups_done)
+
+    async def _rate_limit(self) -> bool:
+        """tasks_per_minute: wait for the next start slot; False when a stop came first."""
+        per_minute = self.config.rollout.tasks_per_minute
+        if per_minute is None:
+            return True
+        wait_s = self._next_start - time.monotonic()
+        if wait_s > 0:
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=wait_s)
+                return False
+            except TimeoutError:
+                pass
+        self._next_start = max(self._next_start, time.monotonic()) + 60.0 / per_minute
+        return True
+
+    async def _next_entries(self, count: int) -> list[Entry]:
+        """Tasks of dead consumers first (Bus.reclaim), else new ones (XREADGROUP BLOCK)."""
+        entries: list[Entry] = []
+        for stream in self.streams:
+            if len(entries) < count:
+                claimed = await self.bus.reclaim(stream, GROUP_ROLLOUT, count=count - len(entries))
+                entries += [e for e in claimed if (e.stream, e.id) not in self._running]
+        if entries:
+            for entry in entries:
+                self.log.info("task_reclaimed", stream=entry.stream, entry_id=entry.id, deliveries=entry.deliveries)
+            return entries
+        return await self.bus.read_group(self.streams, GROUP_ROLLOUT, count=count, block_ms=self.config.redis.block_ms)
+
+    async def _heartbeat(self) -> None:
+        """Keep this worker's running tasks from looking idle (XCLAIM to itself, JUSTID: no delivery count)."""
+        period_s = self.config.redis.claim_idle_ms / 3000
+        while True:
+            await asyncio.sleep(period_s)
+            pipe = self.bus.redis.pipeline(transaction=False)
+            for stream, entry_id in list(self._running):
+                pipe.xclaim(stream, GROUP_ROLLOUT, self.worker, 0, [entry_id], justid=True)
+            await pipe.execute()
+
+    async def _handle(self, entry: Entry) -> None:
+        try:
+            if not isinstance(entry.message, Task):
+                await self.bus.dead_letter(entry, reason=f"expected a task, got {entry.message.KIND!r}",
+                                           group=GROUP_ROLLOUT)
+                return
+            await self._rollout(entry, entry.message)
+        finally:
+            self._running.pop((entry.stream, entry.id), None)
+
+    async def _rollout(self, entry: Entry, task: Task) -> None:
+        envs = self.eval_envs if task.eval_step is not None else self.train_envs
+        env = envs.get(task.env)
+        if env is None:
+            await self.bus.dead_letter(entry, reason=f"task for env {task.env!r}, which is not configured here "
+                                       f"(envs: {sorted(self.envs)})", group=GROUP_ROLLOUT)
+            return
+        started = time.monotonic()
+        log = self.log.bind(task_id=task.task_id, env=task.env)
+        error = None
+        for attempt in range(env.max_retries + 1):
+            wait_gate_s = await self.gate.wait(task.eval_step, stop=self._stop)
+            if not self.gate.is_open(task.eval_step):
+                await self._hand_back(entry, task)
+                log.info("task_handed_back", reason="stopping while the staleness gate is closed")
+                return
+            try:
+                runner = self.sft_runner if task.mode == "sft" else self.runner
+                samples, timings = await runner.run(task, self.handles[task.env], self._sampling(env, task),
+                                                    env.max_turns)
+                break
+            except Exception as e:  # the one boundary: retry, then dead-letter
+                error = f"{type(e).__name__}: {e}"
+                log.warning("rollout_failed", attempt=attempt + 1, max_retries=env.max_retries, error=error)
+                if attempt < env.max_retries:
+                    await asyncio.sleep(self.config.rollout.retry_delay_s)
+        else:
+            await self._dead_letter(entry, task, f"{error} (after {env.max_retries + 1} attempts)")
+            return
+        timings = {**timings, "wait_gate_s": wait_gate_s, "total_s": time.monotonic() - started}
+        group = RolloutGroup(task_id=task.task_id, env=task.env, example_id=task.example_id,
+                             example_index=task.example_index, epoch=task.epoch, mode=task.mode, samples=samples,
+                             eval_step=task.eval_step, timings=timings)
+        generated = sum(int(s.loss_mask.sum()) for s in samples)
+        metric = Metric(source="rollout", values={"tokens_generated": float(generated), "group_s": timings["total_s"],
+                                                  "wait_gate_s": wait_gate_s})
+        await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)],
+                              [(self.bus.keys.rollouts(task.env), group), (self.bus.keys.metrics(), metric)])
+        self.groups_done += 1
+        log.info("group_done", reward=round(group.reward, 4), tokens=group.tokens, policy_version=group.policy_version,
+                 total_s=round(timings["total_s"], 3))
+
+    def _sampling(self, env: EnvConfig, task: Task) -> SamplingConfig:
+        if isinstance(env, EvalEnvConfig):
+            return self.config.eval_sampling(env)
+        return self.config.env_sampling(env)
+
+    async def _hand_back(self, entry: Entry, task: Task) -> None:
+        """Ack the task and add it again (one MULTI) so another worker takes it now."""
+        await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)], [(entry.stream, task)])
+
+    async def _dead_letter(self, entry: Entry, task: Task, reason: str) -> None:
+        """Dead-letter the task with its error and release its in-flight samples, in one MULTI."""
+        letter = DeadLetter(stream=entry.stream, entry_id=entry.id, reason=reason, worker=self.worker,
+                            deliveries=entry.deliveries,
+                            fields={(k.decode() if isinstance(k, bytes) else k): v for k, v in entry.fields.items()})
+        state = self.bus.keys.state()
+
+        def release(pipe) -> None:
+            if task.eval_step is None:
+                pipe.hincrby(state, INFLIGHT_FIELD, -task.group_size)
+
+        await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)], [(self.bus.keys.dead(), letter)], extra=release)
+        self.log.error("task_dead_lettered", task_id=task.task_id, env=task.env, reason=reason)
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+        for handle in self.handles.values():
+            await handle.close()
+        if self.bus is not None:
+            await self.bus.close()
+
+
+def main(config: RlbusConfig, argv: list[str]) -> int:
+    """``rlbus rollout @ cfg.toml [--consumer NAME]``: roll out tasks until SIGTERM."""
+    parser = argparse.ArgumentParser(prog="rlbus rollout", description=__doc__.splitlines()[0])
+    parser.add_argument("--consumer", default=None, help="consumer name in group 'rollout' (default rollout-HOST-PID)")
+    args = parser.parse_args(argv)
+    configure_logging(config.log)
+    return asyncio.run(run_worker(RolloutWorker(config, worker=args.consumer)))

@@ -1,0 +1,598 @@
+"""``rlbus run @ config.toml [--resume] [--attach]``: a whole run on this machine, supervised.
+
+Starts, in order: a private redis-server (unless ``redis.url`` is set; its AOF lives in
+``output_dir/redis`` so ``--resume`` gets the streams back), the model folder (``init-model``)
+if missing, the inference server(s) (waits for ``/health``), then feeder, rollout ×
+``rollout.workers`` (each spawns its env servers), filter × ``filter.workers``, packer, trainer.
+Every child gets the resolved config (``output_dir/config.resolved.toml``) and its share of the
+cores as torch threads. In this process: the live status, ``metrics.jsonl``, the eval
+coordinator. The run ends when ``trained == run.max_steps`` (after that step's eval), on Ctrl-C /
+SIGTERM, or when a worker sets the run's ``stop_reason``; then it stops every child and writes
+``summary.json`` and ``report.png``.
+
+``--attach`` does the in-process part only (status, metrics, eval, summary) for a run whose
+workers run elsewhere (docker compose); it needs ``redis.url``.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bus.errors import ConfigError, RlbusError
+from bus.keys import GROUP_FILTER, GROUP_PACKER
+from bus.local_redis import free_port
+from bus.log import get_logger
+from bus.messages import Metric
+from bus.streams import Bus
+from workers.config import RlbusConfig
+from workers.filter import STOP_REASON_FIELD
+from workers.supervisor import ChildSpec, Supervisor
+
+RUN_STATE = ("redis", "weights", "checkpoints", "logs", "wandb", "metrics.jsonl", "summary.json", "report.png")
+"""What a fresh run clears from output_dir (a resumed run keeps it)."""
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# Resolved config as TOML (children read it with `@ file`).
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """A nested dict (JSON-like values, None dropped) as TOML text."""
+    lines: list[str] = []
+    _dump_table(data, [], lines)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _key(name: str) -> str:
+    return name if name and all(c.isalnum() or c in "-_" for c in name) else json.dumps(name)
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items() if v is not None) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as TOML")
+
+
+def _is_table_array(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+def _dump_table(table: dict[str, Any], path: list[str], lines: list[str]) -> None:
+    for k, v in table.items():
+        if v is not None and not (isinstance(v, dict) and v) and not _is_table_array(v):
+            lines.append(f"{_key(k)} = {_value(v)}")
+    for k, v in table.items():
+        if isinstance(v, dict) and v:
+            lines += ["", "[" + ".".join(map(_key, path + [k])) + "]"]
+            _dump_table(v, path + [k], lines)
+        elif _is_table_array(v):
+            for item in v:
+                lines += ["", "[[" + ".".join(map(_key, path + [k])) + "]]"]
+                _dump_table(item, path + [k], lines)
+
+
+def _set(data: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    data[last] = value
+
+
+def needs_teacher_server(config: RlbusConfig) -> bool:
+    """True when an env trains in opd/sft mode and [teacher] names no servers: ``rlbus run`` starts one."""
+    return config.teacher is not None and not config.teacher.base_urls and any(e.mode != "rl" for e in config.env)
+
+
+def torch_threads(config: RlbusConfig, cores: int | None = None) -> int:
+    """Threads per torch-heavy process (trainer ranks, inference and teacher servers share the cores): max(1, C // N)."""
+    cores = cores or len(os.sched_getaffinity(0))
+    heavy = config.trainer.nproc + (0 if config.inference.base_urls else config.inference.servers)
+    heavy += needs_teacher_server(config)
+    return max(1, cores // max(1, heavy))
+
+
+def resolve(config: RlbusConfig, *, redis_url: str, base_urls: list[str], threads: int,
+            teacher_urls: list[str] = ()) -> dict[str, Any]:
+    """The config children get: the user's settings plus the redis URL, servers, threads, resume step.
+
+    ``ckpt.resume_step`` defaults to -1 (latest): a restarted trainer continues from its last
+    checkpoint; a fresh run has none (its output_dir was cleared), so it starts from step 0.
+    """
+    data = config.model_dump(mode="json", exclude_unset=True)
+    _set(data, "redis.url", redis_url)
+    if base_urls:
+        _set(data, "inference.base_urls", base_urls)
+    if teacher_urls:
+        _set(data, "teacher.base_urls", list(teacher_urls))
+    if config.trainer.num_threads is None:
+        _set(data, "trainer.num_threads", threads)
+    if config.inference.num_threads is None:
+        _set(data, "inference.num_threads", threads)
+    if config.ckpt.resume_step is None:
+        _set(data, "ckpt.resume_step", -1)
+    RlbusConfig.model_validate(data)
+    return data
+
+
+class RunSession:
+    """One ``rlbus run``: children, status, metrics, eval, and the end-of-run files."""
+
+    def __init__(self, config: RlbusConfig, *, resume: bool, attach: bool, grace_s: float, health_timeout_s: float):
+        self.config = config
+        self.resume = resume
+        self.attach = attach
+        self.grace_s = grace_s
+        self.health_timeout_s = health_timeout_s
+        self.output_dir = Path(config.run.output_dir)
+        self.log = get_logger(worker="run", run=config.run.name)
+        self.events: list[str] = []
+        self.sup = Supervisor(self.output_dir / "logs", on_event=self._on_event)
+        self.threads = torch_threads(config)
+        self.stop = asyncio.Event()
+        self.stopped_because = "stopped"
+        self.fatal: str | None = None
+        self.started = time.monotonic()
+        self.tty = sys.stdout.isatty()
+
+    # Events from the supervisor: shown in the status panel (or printed).
+
+    def _on_event(self, event: str, info: dict) -> None:
+        if event == "child_started" and not info["restarts"]:
+            text = f"started {info['name']} (pid {info['pid']})"
+        elif event == "child_started":
+            text = f"restarted {info['name']} (pid {info['pid']}, restart #{info['restarts']})"
+        elif event == "child_restarting":
+            text = f"{info['name']} exited with code {info['exit_code']}; restarting in {info['in_s']:.0f}s (see {info['log']})"
+        elif event == "child_exited":
+            text = f"{info['name']} exited with code {info['exit_code']}"
+            if info["exit_code"] == 2 and not self.sup.stopping:
+                self.fatal = f"{info['name']} failed on its config (exit code 2); see {info['log']}:\n" + _tail(info["log"])
+                self.stop.set()
+        else:
+            text = f"{event} {info}"
+        self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
+        if not self.tty and not (event == "child_started" and not info["restarts"]):
+            print(text, flush=True)
+
+    # Start-up.
+
+    def prepare_output(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if self.resume or self.attach:
+            return
+        for name in RUN_STATE:
+            path = self.output_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    def child_argv(self, role: str, *options: str) -> list[str]:
+        return [sys.executable, "-m", "workers.cli", role, "@", str(self.resolved_path), *options]
+
+    def child_env(self) -> dict[str, str]:
+        threads = str(self.threads)
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+
+    async def start_redis(self) -> str:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ConfigError("redis-server is not on PATH; install it (apt-get install -y redis-server) or set redis.url")
+        port, data_dir = free_port(), (self.output_dir / "redis").resolve()
+        data_dir.mkdir(parents=True, exist_ok=True)
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--appendonly", "yes",
+                "--save", "", "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"]
+        self.sup.start(ChildSpec("redis", "redis", argv, stop_order=2))
+        url = f"redis://127.0.0.1:{port}/0"
+        await self._wait(lambda: _redis_ready(url), "redis-server", 30.0, "redis")
+        return url
+
+    def init_model(self) -> None:
+        path = Path(self.config.model.path)
+        if path.exists() or self.config.model.init_preset is None:
+            return
+        argv = [sys.executable, "-m", "workers.cli", "init-model", "--out", str(path),
+                "--preset", self.config.model.init_preset, "--seed", str(self.config.run.seed)]
+        self.log.info("model_init", path=str(path), preset=self.config.model.init_preset)
+        done = subprocess.run(argv, env={**os.environ, **self.child_env()}, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RlbusError(f"init-model for {path} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+
+    def inference_ports(self) -> tuple[list[int], list[int]]:
+        """Ports of the inference servers and of the teacher server this run starts (port, port+1, …)."""
+        ports = [] if self.config.inference.base_urls or self.attach else [
+            self.config.inference.port + i for i in range(self.config.inference.servers)]
+        teacher = [self.config.inference.port + len(ports)] if needs_teacher_server(self.config) and not self.attach else []
+        for port in ports + teacher:
+            if not _port_free(self.config.inference.host, port):
+                raise ConfigError(
+                    f"inference.port {port} is in use on {self.config.inference.host}; "
+                    f"pass --inference.port N with {len(ports) + len(teacher)} free ports from N"
+                )
+        return ports, teacher
+
+    async def start_workers(self, ports: list[int], teacher_ports: list[int]) -> None:
+        env = self.child_env()
+        servers = [(f"inference-{i}", "inference", port, ()) for i, port in enumerate(ports)]
+        # The teacher: the same server on the teacher's weights, not following `weights` (no redis.url).
+        servers += [("teacher", "teacher", port, ("--model.path", self.config.teacher.path, "--model.dtype",
+                                                  self.config.teacher.dtype, "--redis.url", "none"))
+                    for port in teacher_ports]
+        for name, role, port, extra in servers:
+            argv = self.child_argv("inference", "--port", str(port), "--server-id", name, *extra)
+            self.sup.start(ChildSpec(name, role, argv, env, stop_order=1))
+        host = self.config.inference.host
+        for name, _, port, _ in servers:
+            url = f"http://{host}:{port}/health"
+            await self._wait(lambda u=url: _http_ok(u), f"{name} at {url}", self.health_timeout_s, name)
+        # stop_order: feeder and rollouts stop first (rollouts drain against live servers), redis last.
+        specs = [("feeder", "feeder", [], 0)]
+        specs += [(f"rollout-{i}", "rollout", ["--consumer", f"rollout-{i}"], 0) for i in range(self.config.rollout.workers)]
+        specs += [(f"filter-{i}", "filter", ["--consumer", f"filter-{i}"], 1) for i in range(self.config.filter.workers)]
+        specs += [("packer", "packer", [], 1), ("trainer", "trainer", [], 1)]
+        for name, role, options, order in specs:
+            self.sup.start(ChildSpec(name, role, self.child_argv(role, *options), env, stop_order=order))
+
+    async def _wait(self, ready, what: str, timeout_s: float, child: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await asyncio.to_thread(ready):
+            self.sup.poll()
+            if self.stop.is_set():
+                raise RlbusError(f"stopped while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise RlbusError(f"{what} not ready after {timeout_s:.0f}s; see {self.sup.log_path(child)}:\n"
+                                 + _tail(self.sup.log_path(child)))
+            await asyncio.sleep(0.3)
+
+    # The run.
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._signal)
+        self.prepare_output()
+        bus = None
+        try:
+            if self.attach:
+                if not self.config.redis.url:
+                    raise ConfigError("--attach needs redis.url (the Redis of the run to watch)")
+                redis_url = self.config.redis.url
+            else:
+                redis_url = self.config.redis.url or await self.start_redis()
+            bus = await Bus.connect(redis_url, self.config.run.name, self.config.redis, worker="run")
+            await self._check_fresh(bus)
+            ports, teacher_ports = self.inference_ports()
+            host = self.config.inference.host
+            data = resolve(self.config, redis_url=redis_url, base_urls=[f"http://{host}:{p}/v1" for p in ports],
+                           threads=self.threads, teacher_urls=[f"http://{host}:{p}/v1" for p in teacher_ports])
+            self.resolved_path = self.output_dir / "config.resolved.toml"
+            self.resolved_path.write_text(dump_toml(data))
+            evaluator = await self.start_eval(bus)
+            if not self.attach:
+                await asyncio.to_thread(self.init_model)
+                await self.start_workers(ports, teacher_ports)
+            return await self.watch(bus, evaluator)
+        except (ConfigError, RlbusError) as e:
+            self.fatal = self.fatal or str(e)
+            print(f"rlbus run: {self.fatal}", file=sys.stderr)
+            return 2 if isinstance(e, ConfigError) else 1
+        finally:
+            await asyncio.to_thread(self.sup.stop_all, self.grace_s)
+            if bus is not None:
+                await bus.close()
+
+    def _signal(self) -> None:
+        if self.stop.is_set():
+            self.grace_s = 1.0  # a second Ctrl-C: stop now
+        self.stopped_because = "signal"
+        self.stop.set()
+
+    async def _check_fresh(self, bus: Bus) -> None:
+        if self.resume or self.attach or not self.config.redis.url:
+            return
+        _, keys = await bus.redis.scan(0, match=bus.keys.pattern(), count=1000)
+        if keys:
+            raise ConfigError(
+                f"run {self.config.run.name!r} already has keys in {self.config.redis.url}; pass --resume to "
+                "continue it, or choose another run.name"
+            )
+
+    async def start_eval(self, bus: Bus):
+        """The eval coordinator (None without [[eval.env]]); sets the first eval hold before any server starts."""
+        if not self.config.eval.env:
+            return None
+        from workers.eval import EvalCoordinator
+
+        evaluator = EvalCoordinator(self.config, bus, eval_sizes(self.config))
+        await evaluator.setup()
+        return evaluator
+
+    async def watch(self, bus: Bus, evaluator) -> int:
+        from workers.metrics_writer import MetricsWriter
+        from workers.status import RunProbe
+
+        probe = RunProbe(self.config, bus)
+        writer = MetricsWriter(self.output_dir, self.config.run.name, self.config.wandb,
+                               self.config.model_dump(mode="json"))
+        tasks = [asyncio.create_task(self._read_metrics(bus, writer, probe))]
+        if evaluator is not None:
+            tasks.append(asyncio.create_task(self._run_eval(evaluator)))
+        try:
+            await self._loop(bus, probe, evaluator)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if not self.attach:
+            await asyncio.to_thread(self.sup.stop_all, self.grace_s, 1)  # workers; redis (stop_order 2) stays up
+        await self._drain_metrics(bus, writer, probe)
+        writer.close()
+        return await self.finish(bus, probe, writer.rows)
+
+    async def _loop(self, bus: Bus, probe, evaluator) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        from workers.status import plain_line, render
+
+        max_steps = self.config.run.max_steps
+        done_at: float | None = None
+        last_line_step = -1
+        live = Live(console=Console(), refresh_per_second=4, transient=False) if self.tty else None
+        if live is not None:
+            live.start()
+        try:
+            while not self.stop.is_set():
+                self.sup.poll()
+                snap = await probe.snapshot()
+                snap.restarts = self.sup.restarts_by_role()
+                snap.events = self.events
+                if live is not None:
+                    live.update(render(snap, f"rlbus run {self.config.run.name}"))
+                elif snap.trained != last_line_step:
+                    print(plain_line(snap), flush=True)
+                    last_line_step = snap.trained
+                reason = await bus.state_get(STOP_REASON_FIELD)
+                if reason:
+                    self.fatal, self.stopped_because = reason, "stop_reason"
+                    break
+                if max_steps is not None and snap.trained >= max_steps:
+                    done_at = done_at or time.monotonic()
+                    eval_pending = evaluator is not None and not evaluator.complete(max_steps)
+                    if not eval_pending or time.monotonic() - done_at > 300:
+                        self.stopped_because = "max_steps"
+                        break
+                try:
+                    await asyncio.wait_for(self.stop.wait(), timeout=0.5)
+                except TimeoutError:
+                    pass
+        finally:
+            if live is not None:
+                live.stop()
+
+    async def _read_metrics(self, bus: Bus, writer, probe) -> None:
+        last_id = "0"
+        while True:
+            for entry_id, message in await bus.read_fanout(bus.keys.metrics(), last_id, count=500, block_ms=1000):
+                last_id = entry_id
+                if isinstance(message, Metric):
+                    probe.observe(writer.write(entry_id, message))
+            self._metrics_last_id = last_id
+
+    async def _drain_metrics(self, bus: Bus, writer, probe) -> None:
+        last_id = getattr(self, "_metrics_last_id", "0")
+        seen = {row["id"] for row in writer.rows[-1000:]}
+        while True:
+            entries = await bus.read_fanout(bus.keys.metrics(), last_id, count=500)
+            if not entries:
+                return
+            for entry_id, message in entries:
+                last_id = entry_id
+                if isinstance(message, Metric) and entry_id not in seen:
+                    probe.observe(writer.write(entry_id, message))
+
+    async def _run_eval(self, evaluator) -> None:
+        while True:
+            await evaluator.issue_due()
+            await evaluator.collect(block_ms=500)
+
+    async def finish(self, bus: Bus, probe, rows: list[dict]) -> int:
+        from workers.report import build_summary, write_report, write_summary
+
+        snap = await probe.snapshot()
+        summary = build_summary(
+            rows, run=self.config.run.name, steps_trained=snap.trained, max_steps=self.config.run.max_steps,
+            wall_s=time.monotonic() - self.started, groups=await group_counts(bus, self.config, rows, snap.trained),
+            restarts=self.sup.restarts_by_role(), stopped_because=self.stopped_because,
+        )
+        if self.fatal:
+            summary["error"] = self.fatal
+        write_summary(summary, self.output_dir)
+        try:
+            write_report(rows, self.output_dir, title=f"rlbus run {self.config.run.name}")
+        except Exception as e:  # the report is a convenience; the summary is what counts
+            self.log.error("report_failed", error=str(e))
+        print(summary_text(summary, self.output_dir), flush=True)
+        if self.fatal:
+            print(f"rlbus run: {self.fatal}", file=sys.stderr)
+            return 1
+        return 0
+
+
+async def group_counts(bus: Bus, config: RlbusConfig, rows: list[dict], trained: int) -> dict[str, int]:
+    """The run's group accounting: produced = trained + filtered + stale + dead-lettered + in flight.
+
+    Each term is counted on its own (the streams, the packer's and filter's metrics, the dead
+    letters), so ``unaccounted`` (produced minus the rest) is a real check and should be 0.
+    """
+    packed: dict[int, float] = {}
+    stale = filtered = 0.0
+    for row in rows:
+        if row["source"] == "packer" and row.get("step") is not None:
+            packed[int(row["step"])] = float(row.get("packer/groups", 0.0))
+            stale += float(row.get("packer/stale_groups", 0.0))
+        filtered += float(row.get("filter/groups_dropped", 0.0))
+    trained_groups = sum(v for s, v in packed.items() if s <= trained)
+    in_batches = sum(v for s, v in packed.items() if s > trained)
+    produced = waiting = 0
+    for env in config.env:
+        stream = bus.keys.rollouts(env.resolved_name)
+        produced += await _count_training(bus, stream, "-")
+        waiting += await _unconsumed(bus, stream, GROUP_FILTER)
+        waiting += await _unconsumed(bus, bus.keys.filtered(env.resolved_name), GROUP_PACKER)
+    dead = await dead_groups(bus)
+    counts = {"produced": produced, "trained": int(trained_groups), "filtered": int(filtered), "stale": int(stale),
+              "dead_lettered": dead, "in_flight": int(waiting + in_batches)}
+    counts["unaccounted"] = produced - sum(v for k, v in counts.items() if k != "produced")
+    return counts
+
+
+async def _count_training(bus: Bus, stream: str, start: str, ids: set[str] | None = None) -> int:
+    """Non-eval entries of ``stream`` from ``start`` (exclusive when prefixed with '('), or only ``ids``."""
+    count = 0
+    while True:
+        rows = await bus.redis.xrange(stream, min=start, count=500)
+        for raw_id, fields in rows:
+            if (ids is None or raw_id.decode() in ids) and b"eval_step" not in fields:
+                count += 1
+        if len(rows) < 500:
+            return count
+        start = "(" + rows[-1][0].decode()
+
+
+async def _unconsumed(bus: Bus, stream: str, group: str) -> int:
+    """Non-eval entries of ``stream`` that ``group`` has not acked: pending plus not yet delivered."""
+    if not await bus.redis.exists(stream):
+        return 0
+    info = {(g["name"].decode() if isinstance(g["name"], bytes) else g["name"]): g
+            for g in await bus.redis.xinfo_groups(stream)}
+    if group not in info:
+        return await _count_training(bus, stream, "-")
+    last = info[group]["last-delivered-id"]
+    last = last.decode() if isinstance(last, bytes) else last
+    pending = await bus.redis.xpending_range(stream, group, min="-", max="+", count=100_000)
+    ids = {(p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"]) for p in pending}
+    undelivered = await _count_training(bus, stream, "(" + last)
+    return undelivered + (await _count_training(bus, stream, "-", ids) if ids else 0)
+
+
+async def dead_groups(bus: Bus) -> int:
+    """Training groups dead-lettered from ``rollouts:*`` or ``filtered:*`` (eval groups excluded)."""
+    count, start = 0, "-"
+    while True:
+        rows = await bus.redis.xrange(bus.keys.dead(), min=start, count=500)
+        for _, fields in rows:
+            stream = fields.get(b"stream", b"").decode()
+            family = bus.keys.family(stream) if stream.startswith(bus.keys.prefix) else ""
+            if family in ("rollouts", "filtered") and "eval_step" not in _original_fields(fields):
+                count += 1
+        if len(rows) < 500:
+            return count
+        start = "(" + rows[-1][0].decode()
+
+
+def _original_fields(fields: dict) -> dict:
+    from bus.errors import DecodeError
+    from bus.messages import DeadLetter
+
+    try:
+        return DeadLetter.from_fields(fields).fields
+    except DecodeError:
+        return {}
+
+
+def eval_sizes(config: RlbusConfig) -> dict[str, int]:
+    """Examples in each eval env's dataset (built in-process: envs are plain Python)."""
+    from workers.envs.registry import load_env
+
+    return {env.resolved_name: len(load_env(env.id, env.args)) for env in config.eval.env}
+
+
+def summary_text(summary: dict[str, Any], output_dir: Path) -> str:
+    r, g = summary["reward"], summary["groups"]
+    fmt = lambda p: "—" if p is None else f"{p['reward']:.3f} (step {p['step']})"  # noqa: E731
+    lines = [
+        f"run {summary['run']}: {summary['steps_trained']} steps in {summary['wall_s']:.0f}s ({summary['stopped_because']})",
+        f"  train reward  first {fmt(r['first'])}  last {fmt(r['last'])}  best {fmt(r['best'])}",
+    ]
+    for step, values in summary["eval"].items():
+        shown = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in values.items()
+                          if k.endswith("/reward") or "/pass@" in k)
+        lines.append(f"  eval @ step {step}: {shown}")
+    lines.append(
+        f"  groups: produced {g['produced']} = trained {g['trained']} + filtered {g['filtered']} + stale {g['stale']}"
+        f" + dead-lettered {g['dead_lettered']} + in flight {g['in_flight']}"
+        + (f" (unaccounted {g['unaccounted']})" if g["unaccounted"] else "")
+    )
+    restarts = {k: v for k, v in summary["restarts"].items() if v}
+    lines.append(f"  restarts: {restarts or 'none'}")
+    lines.append(f"  files: {output_dir / 'summary.json'}, {output_dir / 'metrics.jsonl'}, {output_dir / 'report.png'}")
+    return "\n".join(lines)
+
+
+def _tail(path: Path | str, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _redis_ready(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def main(config: RlbusConfig, argv: list[str]) -> int:
+    """``rlbus run @ cfg.toml [--resume] [--attach]``."""
+    parser = argparse.ArgumentParser(prog="rlbus run", description="Start and supervise a whole run on this machine.")
+    parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint and streams")
+    parser.add_argument("--attach", action="store_true", help="only watch/eval/summarise a run whose workers run elsewhere")
+    parser.add_argument("--grace-s", type=float, default=15.0, help="seconds children get to drain after SIGTERM")
+    parser.add_argument("--health-timeout-s", type=float, default=180.0, help="wait this long for each inference server")
+    args = parser.parse_args(argv)
+    session = RunSession(config, resume=args.resume, attach=args.attach, grace_s=args.grace_s,
+                         health_timeout_s=args.health_timeout_s)
+    return asyncio.run(session.run())
