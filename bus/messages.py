@@ -5,13 +5,14 @@ person reads with ``redis-cli XRANGE``), then ``data``: the whole message as msg
 raw bytes. ``from_fields`` reads only ``kind``, ``v`` and ``data``; the header is for people.
 """
 
+import functools
 import time
+import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
-
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
 from bus.arrays import BoolArray, Float32Array, Int32Array, packb, to_wire, unpackb
 from bus.errors import DecodeError
@@ -107,20 +108,28 @@ def _header_text(value: Any) -> str:
     return str(value)
 
 
-_PASS_THROUGH = frozenset({str, int, float, bool, type(None), dict, bytes})
+def _holds_arrays_or_models(annotation: Any) -> bool:
+    """True when a field annotation can hold numpy arrays or pydantic models (at any depth)."""
+    if isinstance(annotation, type) and issubclass(annotation, (np.ndarray, BaseModel)):
+        return True
+    return any(_holds_arrays_or_models(arg) for arg in typing.get_args(annotation))
+
+
+@functools.cache
+def _convert_fields(cls: type[BaseModel]) -> tuple[str, ...]:
+    """Fields of ``cls`` that :func:`_plain` must convert; the others go to msgpack as they are."""
+    return tuple(name for name, f in cls.model_fields.items() if _holds_arrays_or_models(f.annotation))
 
 
 def _plain(model: BaseModel) -> dict[str, Any]:
     """A message as dicts/lists/scalars/wire arrays for msgpack, without pydantic's dump machinery.
 
-    Hot path: fields hold scalars, dicts of scalars, arrays, models or lists of models.
+    Hot path: only the fields that can hold arrays or models are looked at.
     """
     out = dict(model.__dict__)
-    for name, value in out.items():
-        kind = type(value)
-        if kind in _PASS_THROUGH:
-            continue
-        if kind is np.ndarray:
+    for name in _convert_fields(type(model)):
+        value = out[name]
+        if type(value) is np.ndarray:
             out[name] = to_wire(value)
         elif isinstance(value, BaseModel):
             out[name] = _plain(value)
@@ -225,15 +234,15 @@ class RolloutGroup(Message):
     @property
     def policy_version(self) -> int:
         """Oldest start version of any sample: the version that gates staleness."""
-        return min((s.policy_version_start for s in self.samples), default=0)
+        return min([s.policy_version_start for s in self.samples]) if self.samples else 0
 
     @property
     def reward(self) -> float:
-        return sum(s.reward for s in self.samples) / len(self.samples) if self.samples else 0.0
+        return sum([s.reward for s in self.samples]) / len(self.samples) if self.samples else 0.0
 
     @property
     def tokens(self) -> int:
-        return sum(s.num_tokens for s in self.samples)
+        return sum([len(s.prompt_ids) + len(s.completion_ids) for s in self.samples])
 
     @property
     def samples_count(self) -> int:

@@ -25,7 +25,7 @@ from bus.resp import fast_packing
 from workers.config import RedisConfig
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One delivered stream entry."""
 

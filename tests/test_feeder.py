@@ -127,10 +127,22 @@ async def _setup_run_close(worker):
         await worker.close()
 
 
-def test_inflight_cap_blocks_until_the_filter_releases(redis_url, run_name, bus):
+def test_inflight_cap_blocks_until_the_packer_releases(redis_url, run_name, bus):
+    """The cap spans feeder → packer: a forwarded group keeps its samples in flight; the packer's commit
+    (metrics entry + release) and a rollout dead-letter wake the blocked feeder (block_ms is long: no polling)."""
+    from bus.messages import DeadLetter, Metric
+
     envs = [{"id": "a", "group_size": 4}]
     config = _config(redis_url, run_name, envs)
     config.feeder.max_inflight_rollouts = 8
+    config.redis.block_ms = 2000
+
+    async def wait_issued(feeder, n):
+        for _ in range(100):
+            if feeder.issued == n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"issued {feeder.issued}, expected {n}")
 
     async def main():
         feeder = FeederWorker(config, sizes={"a": 100})
@@ -138,18 +150,21 @@ def test_inflight_cap_blocks_until_the_filter_releases(redis_url, run_name, bus)
         task = asyncio.create_task(feeder.run())
         await asyncio.sleep(0.5)
         assert feeder.issued == 2  # 2 groups × 4 samples = the cap
-        async with bus("filter") as b:  # what the filter's commit does: output + release
+        async with bus("filter") as b:
+            state = b.keys.state()
             group = RolloutGroup(task_id="a:0:0", env="a", example_id="0", samples=[])
-            await b.commit([], [(b.keys.filtered("a"), group)],
-                           extra=lambda p: p.hincrby(b.keys.state(), INFLIGHT_FIELD, -4))
-            for _ in range(100):
-                if feeder.issued == 3:
-                    break
-                await asyncio.sleep(0.01)
-            assert feeder.issued == 3
+            await b.commit([], [(b.keys.filtered("a"), group), (b.keys.metrics(), Metric(source="filter"))])
+            await asyncio.sleep(0.3)
+            assert feeder.issued == 2  # the filter forwarded it: still in flight (waiting for the packer)
+            await b.commit([], [(b.keys.metrics(), Metric(source="packer", step=1))],  # the packer's step commit
+                           extra=lambda p: p.hincrby(state, INFLIGHT_FIELD, -4))
+            await wait_issued(feeder, 3)
             await asyncio.sleep(0.3)
             assert feeder.issued == 3
             assert await b.state_get(INFLIGHT_FIELD) == "8"
+            letter = DeadLetter(stream=b.keys.tasks("a"), entry_id="1-0", reason="test", worker="rollout-x")
+            await b.commit([], [(b.keys.dead(), letter)], extra=lambda p: p.hincrby(state, INFLIGHT_FIELD, -4))
+            await wait_issued(feeder, 4)
         feeder.request_stop()
         await task
         await feeder.close()

@@ -69,7 +69,7 @@ async def pending(bus, stream: str, group: str) -> int:
     return int((await bus.redis.xpending(stream, group))["pending"])
 
 
-def test_filter_commits_atomically_and_decrements_inflight(bus, redis_url, run_name, model_dir):
+def test_filter_commits_atomically_and_releases_only_dropped_samples(bus, redis_url, run_name, model_dir):
     cfg = config(redis_url, run_name, model_dir)
     cfg.filter.pre_batch_filters[2].enforce = True  # zero_advantage drops
 
@@ -87,10 +87,11 @@ def test_filter_commits_atomically_and_decrements_inflight(bus, redis_url, run_n
             assert len(out) == 1
             kept = RolloutGroup.from_fields(out[0][1])
             assert [s.advantage for s in kept.samples] == [0.5, -0.5]
-            assert await b.state_get("inflight") == "6"
+            assert await b.state_get("inflight") == "8"  # the dropped group; the kept one waits for the packer
             assert await pending(b, b.keys.rollouts(ENV), GROUP_FILTER) == 0
             _, metric = await b.last(b.keys.metrics())
             assert metric.values["filter/zero_advantage/dropped"] == 2
+            assert metric.values["filter/groups_dropped"] == 1 and metric.values["filter/groups"] == 1
             assert await b.state_get(STREAK_FIELD) == "1"
 
     asyncio.run(main())
@@ -125,12 +126,13 @@ def test_stale_groups_are_dropped_and_counted(bus, redis_url, run_name, model_di
 
     async def main():
         async with bus("test") as b:
-            await b.state_set(**{LAST_STEP_FIELD: 4})  # next step s = 5
+            await b.state_set(**{LAST_STEP_FIELD: 4, "inflight": 8})  # next step s = 5
             await publish_trained(b, 4)
             stream = b.keys.filtered(ENV)
             await b.publish(stream, group(1, [1.0, 0.0], version=2))  # s − max_off − 1: stale
             await b.publish(stream, group(2, [1.0, 0.0], version=3))  # s − max_off: kept
             await b.publish(stream, group(3, [0.0, 1.0], version=4))
+            await b.publish(stream, group(4, [0.0, 1.0], version=4))  # left over for step 6
             worker = PackerWorker(cfg, worker="packer-0")
             await worker.setup()
             task = asyncio.create_task(worker.run())
@@ -142,11 +144,14 @@ def test_stale_groups_are_dropped_and_counted(bus, redis_url, run_name, model_di
             batches = await micro_batches(b, 5)
             versions = sorted(v for mb in batches for v in mb.policy_versions.tolist())
             assert versions == [3, 3, 4, 4]
-            assert await pending(b, stream, GROUP_PACKER) == 0  # the stale group was acked too
-            _, metric = await b.last(b.keys.metrics())
-            assert metric.step == 5 and metric.values["packer/stale_groups"] == 1
-            assert metric.values["packer/samples"] == 4
+            assert await pending(b, stream, GROUP_PACKER) == 1  # the stale group was acked too; group 4 waits
+            rows = [Metric.from_fields(f) for _, f in await b.redis.xrange(b.keys.metrics())]
+            stale, built = rows  # the stale group is released at once, in its own commit
+            assert stale.step == 5 and stale.values == {"packer/stale_groups": 1.0}
+            assert built.step == 5 and built.values["packer/samples"] == 4 and built.values["packer/groups"] == 2
+            assert "packer/stale_groups" not in built.values
             assert await b.state_get(LAST_STEP_FIELD) == "5"
+            assert await b.state_get("inflight") == "2"  # stale + packed groups released; group 4 in flight
 
     asyncio.run(main())
 
@@ -225,3 +230,58 @@ def test_kill_9_between_read_and_commit_then_restart(bus, redis_url, run_name, m
     rewards = sorted(r for mb in batches for r in mb.rewards.tolist())
     assert rewards == [0.0, 0.0, 1.0, 2.0]  # groups 1 and 2, each sample once
     assert pending_count == 1  # group 3 stays pending for step 2; groups 1 and 2 acked
+
+
+def test_held_groups_stay_claimed_and_are_never_dead_lettered(bus, redis_url, run_name, model_dir):
+    """A group held longer than claim_idle_ms (batch not full) is kept busy, not reclaimed and dead-lettered."""
+    cfg = config(redis_url, run_name, model_dir)
+    cfg.redis.claim_idle_ms = 300
+    cfg.redis.max_deliveries = 1
+
+    async def main():
+        async with bus("test") as b:
+            stream = b.keys.filtered(ENV)
+            await b.state_set(inflight=4)
+            await b.publish(stream, group(1, [1.0, 0.0]))
+            worker = PackerWorker(cfg, worker="packer-0")
+            await worker.setup()
+            task = asyncio.create_task(worker.run())
+            await asyncio.sleep(1.5)  # 5 × claim_idle_ms holding half a batch
+            assert await b.redis.xlen(b.keys.dead()) == 0
+            [row] = await b.redis.xpending_range(stream, GROUP_PACKER, min="-", max="+", count=10)
+            assert row["consumer"] == b"packer-0" and row["times_delivered"] == 1
+            await b.publish(stream, group(2, [0.0, 1.0]))
+            while not await b.redis.exists(b.keys.batches(1)):
+                await asyncio.sleep(0.05)
+            worker.request_stop()
+            await asyncio.wait_for(task, 5)
+            await worker.close()
+            assert await b.redis.xlen(b.keys.dead()) == 0
+            assert sorted(r for mb in await micro_batches(b, 1) for r in mb.rewards.tolist()) == [0.0, 0.0, 1.0, 1.0]
+            assert await pending(b, stream, GROUP_PACKER) == 0
+            assert await b.state_get("inflight") == "0"
+
+    asyncio.run(main())
+
+
+def test_packs_a_smaller_step_when_the_inflight_cap_holds_everything_here(bus, redis_url, run_name, model_dir):
+    """Cap 3, group_size 2, batch 4: the feeder cannot add a group to the 2 held samples, so step 1 packs them."""
+    cfg = config(redis_url, run_name, model_dir)
+    cfg.feeder.max_inflight_rollouts = 3
+
+    async def main():
+        async with bus("test") as b:
+            await b.state_set(inflight=2)
+            await b.publish(b.keys.filtered(ENV), group(1, [1.0, 0.0]))
+            worker = PackerWorker(cfg, worker="packer-0")
+            await worker.setup()
+            task = asyncio.create_task(worker.run())
+            while not await b.redis.exists(b.keys.batches(1)):
+                await asyncio.sleep(0.05)
+            worker.request_stop()
+            await asyncio.wait_for(task, 5)
+            await worker.close()
+            assert sorted(r for mb in await micro_batches(b, 1) for r in mb.rewards.tolist()) == [0.0, 1.0]
+            assert await b.state_get("inflight") == "0"
+
+    asyncio.run(main())

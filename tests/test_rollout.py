@@ -133,18 +133,19 @@ def _wait_for(predicate, timeout_s: float, what: str):
 def test_multi_turn_groups_and_a_failing_task(stack):
     """guess_number episodes: env tokens masked, logprobs those of the served model; a task that keeps
     failing is dead-lettered after max_retries with its error, and the worker carries on."""
-    env = {"id": "guess_number", "name": f"gn{uuid.uuid4().hex[:4]}", "group_size": 3, "max_turns": 3,
-           "max_retries": 2, "args": {"num_examples": 10}}
+    # 128 tokens: the random model ends ~60% of its turns with an eos, so some of the 12 episodes surely go on.
+    env = {"id": "guess_number", "name": f"gn{uuid.uuid4().hex[:4]}", "group_size": 4, "max_turns": 3,
+           "max_retries": 2, "args": {"num_examples": 10}, "sampling": {"max_completion_tokens": 128}}
     config = load_config([stack.config([env])], [])
     name = env["name"]
-    stack.publish([_task(name, 10_000, 3), _task(name, 1, 3), _task(name, 2, 3)], inflight=9)
+    stack.publish([_task(name, 10_000, 4)] + [_task(name, i, 4) for i in (1, 2, 3)], inflight=16)
 
     async def main():
         worker = RolloutWorker(config, worker="r-inproc")
         await worker.setup()
         running = asyncio.create_task(worker.run())
         deadline = time.monotonic() + 120
-        while len(stack.groups(name)) < 2 and time.monotonic() < deadline and not running.done():
+        while len(stack.groups(name)) < 3 and time.monotonic() < deadline and not running.done():
             await asyncio.sleep(0.1)
         worker.request_stop()
         await running
@@ -155,11 +156,11 @@ def test_multi_turn_groups_and_a_failing_task(stack):
     assert len(dead) == 1 and dead[0].stream == stack.keys.tasks(name)
     assert "IndexError" in dead[0].reason and "after 3 attempts" in dead[0].reason
     assert Task.from_fields(dead[0].fields).example_index == 10_000
-    assert int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == 6  # the dead task's 3 samples released
+    assert int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == 12  # the dead task's 4 samples released
     assert stack.redis.xpending(stack.keys.tasks(name), GROUP_ROLLOUT)["pending"] == 0
 
     groups = stack.groups(name)
-    assert sorted(g.task_id for g in groups) == [f"{name}:0:1", f"{name}:0:2"]
+    assert sorted(g.task_id for g in groups) == [f"{name}:0:{i}" for i in (1, 2, 3)]
     _check_samples(groups, stack.model_dir)
 
 
@@ -173,7 +174,7 @@ def _check_samples(groups: list[RolloutGroup], model_dir: Path) -> None:
     end, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     multi_turn = 0
     for group in groups:
-        assert len(group.samples) == 3 and group.timings["total_s"] > 0
+        assert len(group.samples) == 4 and group.timings["total_s"] > 0
         assert set(group.timings) >= {"wait_gate_s", "generate_s", "env_s", "score_s", "total_s"}
         for s in group.samples:
             n = len(s.completion_ids)

@@ -22,7 +22,7 @@ from bus.local_redis import LocalRedis, free_port
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT = REPO / "configs" / "default.toml"
 
-LEARNING_THRESHOLD = 0.25
+LEARNING_THRESHOLD = 0.15
 """The README's claim: the default job's mean training reward over its last 20 steps exceeds this."""
 
 
@@ -231,5 +231,5 @@ def test_default_job_learns_within_ten_minutes(tmp_path, tiny_model_dir):
     rewards = {r["step"]: r["reward_mean"] for r in metric_rows(out) if r["source"] == "trainer"}
     last = [rewards[s] for s in sorted(rewards)[-20:]]
     first = [rewards[s] for s in sorted(rewards)[:5]]
-    assert sum(first) / len(first) < 0.15, "the random-init baseline is ~0.07"
+    assert sum(first) / len(first) < 0.12, "the random-init baseline is ~0.07"
     assert sum(last) / len(last) > LEARNING_THRESHOLD, (sum(last) / len(last), summary(out)["reward"])

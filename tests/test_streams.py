@@ -1,7 +1,9 @@
 """The bus against a real redis-server: groups, dead letters, reclaim, atomic commits, trimming, policy versions."""
 
 import asyncio
+import importlib.util
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -286,3 +288,12 @@ args = st.lists(
 def test_fast_packing_matches_redis_py(command, rest):
     fast, plain = fast_packing(Connection)(), Connection()
     assert b"".join(fast.pack_command(command, *rest)) == b"".join(plain.pack_command(command, *rest))
+
+
+def test_bus_benchmark_runs(redis_url, capsys):
+    spec = importlib.util.spec_from_file_location("bench_bus", Path(__file__).parent.parent / "benchmarks" / "bus.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ratio = asyncio.run(bench.bench(redis_url, n=128, batch=32, rounds=1))
+    assert ratio > 0
+    assert "bus " in capsys.readouterr().out

@@ -180,7 +180,7 @@ def load_weights_into(model: nn.Module, dir: Path | str) -> None:
 
 
 def prune_weights(output_dir: Path | str, keep: int, protected: set[int]) -> list[int]:
-    """Delete ``step_*`` weight dirs beyond the newest ``keep``, never one in ``protected`` (still served)."""
+    """Delete ``step_*`` weight dirs beyond the newest ``keep``, never one in ``protected`` (served, eval hold)."""
     root = Path(output_dir) / "weights"
     steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit())
     doomed = [s for s in steps[:-keep] if s not in protected] if len(steps) > keep else []

@@ -16,6 +16,7 @@ import time
 from bus.log import configure_logging, get_logger
 from bus.messages import Metric, MicroBatch, WeightUpdate
 from workers.config import RlbusConfig
+from workers.eval import EVAL_HOLD_FIELD
 from workers.lifecycle import connect_bus, run_worker
 
 
@@ -163,10 +164,13 @@ class TrainerWorker:
         from trainer.weights import prune_weights
 
         await self.tracker.refresh()
-        served = set(self.tracker.served_by.values()) | {step}
-        pruned = prune_weights(self.output_dir, self.cfg.keep_weights, served)
+        protected = set(self.tracker.served_by.values()) | {step}
+        hold = await self.bus.state_get(EVAL_HOLD_FIELD)
+        if hold is not None:  # the servers will load this step for its eval
+            protected.add(int(hold))
+        pruned = prune_weights(self.output_dir, self.cfg.keep_weights, protected)
         if pruned:
-            self.log.debug("weights_pruned", steps=pruned, served=sorted(served))
+            self.log.debug("weights_pruned", steps=pruned, protected=sorted(protected))
 
     async def report(self, step: int, metrics: dict[str, float]) -> None:
         if not self.ctx.is_main:

@@ -184,10 +184,13 @@ class EvalConfig(Section):
 
 class FeederConfig(Section):
     max_inflight_rollouts: int | None = Field(None, ge=1)
-    """Rollouts (samples) issued but not yet filtered, across the run; None = batch_size × oversampling_factor."""
+    """Rollouts (samples) issued by the feeder and not yet consumed by the packer (queued tasks, running groups,
+    groups waiting in rollouts:/filtered: streams and held by the packer), across the run; None =
+    batch_size × oversampling_factor + (largest group_size − 1), so a full batch can always form. When the cap is
+    reached and every in-flight sample is held by the packer, it packs a smaller step rather than wait."""
 
     oversampling_factor: float | None = Field(None, gt=0)
-    """With batch_size: max_inflight_rollouts = batch_size × this (default 1.0)."""
+    """With batch_size: max_inflight_rollouts = batch_size × this + (largest group_size − 1) (default 1.0)."""
 
     shuffle: bool = True
     """Shuffle each epoch's example order (seeded by run.seed and the epoch)."""
@@ -289,8 +292,10 @@ class PackerConfig(Section):
     seq_len: int = Field(2048, ge=8)
     """Micro-batch capacity in tokens; longer samples are truncated (and counted)."""
 
-    max_off_policy_steps: int = Field(8, ge=0)
-    """Groups whose start policy is older than step − this are dropped; rollouts wait for served ≥ next_step − this."""
+    max_off_policy_steps: int = Field(8, ge=1)
+    """Policy versions a step may lag behind: step s trains only on groups started at version ≥ s − this, and a
+    rollout starts only while served ≥ trained + 1 − this. 1 is strictly on-policy (step s uses rollouts of
+    policy s − 1 only); higher values trade off-policy noise for throughput."""
 
     prefetch_steps: int = Field(1, ge=0)
     """Build step s only once s ≤ trained + 1 + prefetch_steps."""
@@ -555,12 +560,13 @@ class RlbusConfig(Section):
         return self.packer.batch_size if self.packer.batch_size is not None else 128
 
     def max_inflight_rollouts(self) -> int:
-        """Rollouts (samples) the feeder keeps in flight."""
+        """Rollouts (samples) in flight between the feeder and the packer."""
         if self.feeder.max_inflight_rollouts is not None:
             return self.feeder.max_inflight_rollouts
         batch = self.batch_size() or 0
         factor = self.feeder.oversampling_factor if self.feeder.oversampling_factor is not None else 1.0
-        return max(max((e.group_size for e in self.env), default=1), int(batch * factor))
+        largest = max((e.group_size for e in self.env), default=1)
+        return max(largest, int(batch * factor) + largest - 1)
 
     def env_sampling(self, env: EnvConfig) -> SamplingConfig:
         """Sampling of one env: its own section, else [sampling]."""

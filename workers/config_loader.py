@@ -106,7 +106,7 @@ def format_errors(error: ValidationError) -> str:
     """One line per problem: the dotted field, what was wrong, and how to fix it."""
     lines = []
     for err in error.errors():
-        node, loc = _walk([str(p) for p in err["loc"]])
+        _, loc = _walk([str(p) for p in err["loc"]])
         path = ".".join(loc)
         if err["type"] == "extra_forbidden":
             parent, _ = _walk([str(p) for p in err["loc"][:-1]])

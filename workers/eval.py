@@ -170,7 +170,7 @@ class EvalCoordinator:
                 ))
                 for i in self.indices[name]
             ]
-            await self.bus.commit([], tasks, extra=lambda pipe: pipe.hset(self.bus.keys.state(), field_name, step))
+            await self.bus.commit([], tasks, extra=lambda pipe, f=field_name, s=step: pipe.hset(self.bus.keys.state(), f, s))
             self.pending.setdefault((name, step), _Pending(expected=len(tasks)))
             self.log.info("eval_issued", env=name, step=step, tasks=len(tasks))
 

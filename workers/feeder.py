@@ -5,11 +5,15 @@
   size (so every example is equally likely, prime-rl's default). Each env's count stays within
   one task of its share, and the order follows from the cursors alone, so it survives restarts.
 - Each epoch visits every example once, in an order shuffled with ``(run.seed, env, epoch)``.
-- In flight: the state hash field ``inflight`` counts samples issued and not yet filtered. The
-  feeder adds ``group_size`` in the same MULTI as the XADD; the filter subtracts when it commits
-  a group, the rollout worker when it dead-letters a task. The feeder issues a task only while
+- In flight: the state hash field ``inflight`` counts samples issued and not yet consumed by the
+  packer, so the cap bounds everything between feeder and packer (tasks, rollouts, groups waiting
+  in ``filtered:*``). The feeder adds ``group_size`` in the same MULTI as the XADD; the packer
+  subtracts the samples of every group it consumes (packed, stale, post-batch filtered), the
+  filter the samples its enforced pre-batch filters drop, the rollout worker a dead-lettered
+  task's group. Eval tasks never count. The feeder issues a task only while
   ``inflight + group_size ≤ max_inflight_rollouts``; otherwise it blocks (XREAD BLOCK) on the
-  streams whose writes lower the count (``filtered:*`` and ``dead``).
+  streams written in the same MULTI as each decrement: ``metrics`` (every filter and packer
+  commit writes one) and ``dead``.
 - Cursor: ``feeder:cursor:{env}`` / ``feeder:epoch:{env}`` in the state hash move in the same
   MULTI as the XADD, guarded (WATCH) on the cursor, so a restarted feeder continues exactly where
   it stopped and a second feeder on the same run cannot issue the same position twice.
@@ -28,7 +32,7 @@ from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 
 INFLIGHT_FIELD = "inflight"
-"""State hash field: samples issued by the feeder and not yet filtered (or dead-lettered)."""
+"""State hash field: samples issued by the feeder and not yet consumed by the packer (dropped, dead-lettered)."""
 
 
 def cursor_field(env: str) -> str:
@@ -158,7 +162,7 @@ class FeederWorker:
     async def _wait_for_room(self, group_size: int) -> bool:
         """True once ``group_size`` more samples fit in flight; False on timeout (re-check stop)."""
         keys = self.bus.keys
-        wake = [keys.filtered(c.name) for c in self.cursors] + [keys.dead()]
+        wake = [keys.metrics(), keys.dead()]
         pipe = self.bus.redis.pipeline(transaction=False)
         for stream in wake:
             pipe.xrevrange(stream, count=1)

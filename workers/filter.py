@@ -3,7 +3,9 @@
 For every group read (consumer group ``filter``): GRPO advantages over the whole group, then the
 pre-batch filters (an enforcing filter drops the samples it flags; the dropped samples' rewards
 already counted in the baseline). One ``Bus.commit`` per read holds the acks, the filtered
-groups, a ``metrics`` entry and ``HINCRBY inflight −samples`` (the feeder's in-flight count).
+groups, a ``metrics`` entry and ``HINCRBY inflight −dropped``: the feeder's in-flight count
+falls here only by the samples the enforced filters dropped (whole groups included); forwarded
+samples stay in flight until the packer consumes them.
 
 Collapse failsafe (ART's): the state field ``zero_variance_streak`` counts consecutive rl groups
 whose rewards are all equal. The filter keeps it because it sees every group exactly once, before
@@ -128,7 +130,7 @@ class FilterWorker:
         """Advantages + filters for each entry, then one atomic commit of everything."""
         keys = self.bus.keys
         acks, outputs, counts = [], [], FilterCounts()
-        finished, rewards, streak = 0, [], _Streak()
+        finished, dropped, dropped_groups, rewards, streak = 0, 0, 0, [], _Streak()
         for entry in entries:
             group = entry.message
             if not isinstance(group, RolloutGroup):
@@ -146,13 +148,17 @@ class FilterWorker:
             counts.add(group_counts)
             if group.mode == "rl" and len(group.samples) >= 2:
                 streak.add(zero_variance([s.reward for s in group.samples]))
+            dropped += len(group.samples) - len(kept)
             if kept:
                 outputs.append((keys.filtered(group.env), group.model_copy(update={"samples": kept})))
+            else:
+                dropped_groups += 1
         if not acks:
             return
         values = counts.metrics("filter") | {
             "filter/groups": float(len(outputs)),
             "filter/samples": float(finished),
+            "filter/groups_dropped": float(dropped_groups),
         }
         if rewards:
             values["filter/reward_mean"] = sum(rewards) / len(rewards)
@@ -160,7 +166,8 @@ class FilterWorker:
         state = keys.state()
 
         def extra(pipe) -> None:
-            pipe.hincrby(state, INFLIGHT_FIELD, -finished)
+            if dropped:
+                pipe.hincrby(state, INFLIGHT_FIELD, -dropped)
             streak.apply(pipe, state)
 
         await self.bus.commit(acks, outputs, extra=extra)
@@ -170,7 +177,7 @@ class FilterWorker:
             groups=len(acks),
             forwarded=len(outputs) - 1,
             samples=finished,
-            dropped=counts.seen - sum(len(m.samples) for _, m in outputs[:-1]),
+            dropped=dropped,
         )
 
     def filter_group(self, group: RolloutGroup) -> tuple[list, FilterCounts]:

@@ -3,8 +3,20 @@
 Steps are built in order, ``s = packer:last_step + 1``, and only once ``s ≤ trained + 1 +
 prefetch_steps``. A step takes whole groups: ``batch_size`` samples, or up to
 ``token_batch_size`` tokens (the group that would overflow waits for the next step). Groups
-whose start policy version is older than ``s − max_off_policy_steps`` are dropped as stale.
+whose start policy version is older than ``s − max_off_policy_steps`` are dropped as stale at
+once (ack, a ``packer/stale_groups`` metric for step ``s`` and the in-flight release, one commit).
 The post-batch filters run on the assembled batch, then :func:`workers.packing.pack_step`.
+
+In flight: the packer ends the life of every group it consumes (packed, stale, or removed by the
+post-batch filters), so its commits lower the feeder's ``inflight`` count by those groups'
+samples: ``feeder.max_inflight_rollouts`` bounds everything between the feeder and the packer.
+When that bound is reached and every in-flight sample is already held here (nothing more can
+arrive), the packer builds the step from what it holds rather than wait forever.
+
+Keep-alive: groups held while a batch fills or the prefetch gate is closed are XCLAIMed (JUSTID)
+to this consumer every ``claim_idle_ms / 3``, so they never look idle to ``Bus.reclaim`` (which
+would otherwise re-deliver them to this packer and dead-letter them after ``max_deliveries``
+while they still get packed).
 
 Exactly once: the groups a step uses stay pending in the ``packer`` group (under this packer's
 stable consumer name) until the one commit that publishes every micro-batch of ``batches:{s}``,
@@ -27,6 +39,7 @@ from bus.messages import Metric, RolloutGroup, decode
 from bus.policy import PolicyTracker
 from bus.streams import Bus, CommitConflict, Entry
 from workers.config import RlbusConfig
+from workers.feeder import INFLIGHT_FIELD
 from workers.filter import model_vocab_size
 from workers.filters import FilterCounts, apply_filters
 from workers.lifecycle import connect_bus, run_worker
@@ -67,6 +80,8 @@ class PackerWorker:
         self._ids: set[tuple[str, str]] = set()
         self._replay: dict[str, str] = {}
         self.stored: str | None = None
+        self.max_inflight = config.max_inflight_rollouts()
+        self.max_group_size = max(e.group_size for e in config.env)
         self._stop = asyncio.Event()
 
     @property
@@ -101,6 +116,14 @@ class PackerWorker:
             await self.bus.close()
 
     async def run(self) -> None:
+        keep_alive = asyncio.create_task(self._keep_alive())
+        try:
+            await self._loop()
+        finally:
+            keep_alive.cancel()
+        self.log.info("packer_stopped", last_step=self.last_step)
+
+    async def _loop(self) -> None:
         max_steps = self.config.run.max_steps
         last_reclaim = time.monotonic()
         while not self._stop.is_set():
@@ -109,7 +132,10 @@ class PackerWorker:
                 self.log.info("packer_done", last_step=self.last_step)
                 return
             self._drop_stale(step)
-            if not self._ready():
+            if self.stale:
+                await self._release_stale(step)
+                continue
+            if not self._ready() and not await self._pipeline_full():
                 reclaim = time.monotonic() - last_reclaim > self.config.redis.claim_idle_ms / 1000
                 if reclaim:
                     last_reclaim = time.monotonic()
@@ -118,7 +144,19 @@ class PackerWorker:
             if not await self._allowed(step):
                 continue
             await self.build(step)
-        self.log.info("packer_stopped", last_step=self.last_step)
+
+    async def _keep_alive(self) -> None:
+        """XCLAIM (min-idle 0, JUSTID: no delivery count) every held entry to itself every claim_idle_ms / 3."""
+        period_s = self.config.redis.claim_idle_ms / 3000
+        while True:
+            await asyncio.sleep(period_s)
+            held = list(self._ids)
+            if not held:
+                continue
+            pipe = self.bus.redis.pipeline(transaction=False)
+            for stream, entry_id in held:
+                pipe.xclaim(stream, GROUP_PACKER, self.worker, 0, [entry_id], justid=True)
+            await pipe.execute()
 
     # Reading.
 
@@ -135,9 +173,10 @@ class PackerWorker:
                 await self._hold_raw(stream, items)
             return
         entries: list[Entry] = []
-        if reclaim:
+        if reclaim:  # idle entries of a dead consumer; our own held ones are kept busy by _keep_alive
             for stream in self.streams:
-                entries += await self.bus.reclaim(stream, GROUP_PACKER)
+                claimed = await self.bus.reclaim(stream, GROUP_PACKER)
+                entries += [e for e in claimed if (e.stream, e.id) not in self._ids]
         entries += await self.bus.read_group(
             self.streams, GROUP_PACKER, count=64, block_ms=self.config.redis.block_ms
         )
@@ -182,6 +221,28 @@ class PackerWorker:
             (fresh if held.group.policy_version >= oldest else self.stale).append(held)
         self.held = fresh
 
+    async def _release_stale(self, step: int) -> None:
+        """Ack the stale groups, report them for ``step`` and release their in-flight samples, in one commit."""
+        stale = self.stale
+        samples = sum(len(h.group.samples) for h in stale)
+        acks = [(h.entry.stream, GROUP_PACKER, h.entry.id) for h in stale]
+        metric = Metric(source="packer", step=step, values={"packer/stale_groups": float(len(stale))})
+        state = self.bus.keys.state()
+        await self.bus.commit(
+            acks, [(self.bus.keys.metrics(), metric)], extra=lambda pipe: pipe.hincrby(state, INFLIGHT_FIELD, -samples)
+        )
+        self.stale = []
+        self._ids -= {(h.entry.stream, h.entry.id) for h in stale}
+        self.log.info("stale_groups_dropped", step=step, groups=len(stale), samples=samples)
+
+    async def _pipeline_full(self) -> bool:
+        """True when the feeder cannot issue another group and every in-flight sample is held here."""
+        held = sum(len(h.group.samples) for h in self.held)
+        if not held or self._replay:
+            return False
+        inflight = int(await self.bus.state_get(INFLIGHT_FIELD) or 0)
+        return inflight <= held and inflight + self.max_group_size > self.max_inflight
+
     def _ready(self) -> bool:
         if self.cfg.token_batch_size is not None:
             return sum(h.tokens for h in self.held) >= self.cfg.token_batch_size
@@ -214,6 +275,10 @@ class PackerWorker:
 
     async def build(self, step: int) -> None:
         """Assemble, filter, pack and commit step ``step``."""
+        if not self._ready():
+            held = sum(len(h.group.samples) for h in self.held)
+            self.log.info("partial_step", step=step, samples=held, max_inflight=self.max_inflight,
+                          hint="feeder.max_inflight_rollouts is reached and every in-flight sample is here")
         taken = self._take()
         samples, modes, rewards, counts = [], [], [], FilterCounts()
         filters = self.cfg.post_batch_filters
@@ -230,7 +295,6 @@ class PackerWorker:
         )
         values = counts.metrics("packer/filter") | {
             "packer/groups": float(len(taken)),
-            "packer/stale_groups": float(len(self.stale)),
             "packer/samples": float(stats.samples),
             "packer/tokens": float(stats.tokens),
             "packer/loss_tokens": float(stats.loss_tokens),
@@ -243,16 +307,15 @@ class PackerWorker:
         }
         outputs = [(self.bus.keys.batches(step), mb) for mb in batches]
         outputs.append((self.bus.keys.metrics(), Metric(source="packer", step=step, values=values)))
-        consumed = taken + self.stale
-        acks = [(h.entry.stream, GROUP_PACKER, h.entry.id) for h in consumed]
+        acks = [(h.entry.stream, GROUP_PACKER, h.entry.id) for h in taken]
+        released = sum(len(h.group.samples) for h in taken)
         if os.environ.get(PAUSE_ENV):
             self.log.warning("packer_commit_paused", step=step, pause_s=float(os.environ[PAUSE_ENV]))
             await asyncio.sleep(float(os.environ[PAUSE_ENV]))
-        if not await self._commit(step, acks, outputs):
+        if not await self._commit(step, acks, outputs, released):
             return
         self.held = self.held[len(taken) :]
-        self.stale = []
-        self._ids -= {(h.entry.stream, h.entry.id) for h in consumed}
+        self._ids -= {(h.entry.stream, h.entry.id) for h in taken}
         self.log.info(
             "batch_packed",
             step=step,
@@ -260,20 +323,24 @@ class PackerWorker:
             tokens=stats.tokens,
             micro_batches=stats.micro_batches,
             efficiency=round(stats.efficiency, 4),
-            stale=int(values["packer/stale_groups"]),
             truncated=stats.truncated,
         )
 
-    async def _commit(self, step: int, acks: list, outputs: list) -> bool:
-        """The guarded commit; False (and a fresh start from Redis) when another packer built the step."""
+    async def _commit(self, step: int, acks: list, outputs: list, released: int) -> bool:
+        """The guarded commit (``released``: in-flight samples it ends); False when another packer built the step."""
         state = self.bus.keys.state()
         expected = self.stored
+
+        def extra(pipe) -> None:
+            pipe.hset(state, LAST_STEP_FIELD, step)
+            pipe.hincrby(state, INFLIGHT_FIELD, -released)
+
         while True:
             try:
                 await self.bus.commit(
                     acks,
                     outputs,
-                    extra=lambda pipe: pipe.hset(state, LAST_STEP_FIELD, step),
+                    extra=extra,
                     guard=(state, LAST_STEP_FIELD, expected),
                 )
                 self.stored = str(step)

@@ -14,9 +14,8 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     parser.add_argument("--no-aof", action="store_true", help="turn append-only persistence off")
     args = parser.parse_args(argv)
     server = LocalRedis(port=args.port or None, dir=args.dir, aof=not args.no_aof)
-    url = server.start()
-    print(url, flush=True)
     try:
+        print(server.start(), flush=True)
         return server.wait()
     except KeyboardInterrupt:
         return 0

@@ -37,7 +37,7 @@ def rollout_tokens_per_s(rows: list[Row]) -> dict[int, float]:
     packed = [(int(r["step"]), float(r["at"]), float(r["packer/tokens"])) for r in rows
               if r["source"] == "packer" and "packer/tokens" in r and r.get("step") is not None]
     packed.sort(key=lambda p: p[1])
-    return {step: tokens / (at - prev_at) for (_, prev_at, _), (step, at, tokens) in zip(packed, packed[1:])
+    return {step: tokens / (at - prev_at) for (_, prev_at, _), (step, at, tokens) in zip(packed, packed[1:], strict=False)
             if at > prev_at}
 
 
@@ -98,7 +98,10 @@ def write_report(rows: list[Row], output_dir: Path, title: str = "") -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
     ax = axes[0]
     rewards = train_reward(rows)
-    ax.plot(list(rewards), list(rewards.values()), label="train reward", color="tab:blue")
+    ax.plot(list(rewards), list(rewards.values()), label="train reward", color="tab:blue", alpha=0.35)
+    steps, values = list(rewards), list(rewards.values())
+    smooth = [sum(values[max(0, i - 9): i + 1]) / len(values[max(0, i - 9): i + 1]) for i in range(len(values))]
+    ax.plot(steps, smooth, label="train reward (mean of 10 steps)", color="tab:blue")
     evals = eval_results(rows)
     for key in sorted({k for v in evals.values() for k in v if k.endswith("/reward") or "/pass@1" in k}):
         points = {s: v[key] for s, v in evals.items() if key in v}

@@ -21,6 +21,7 @@ from bus.policy import PolicyTracker
 from bus.streams import Bus
 from workers.config import RlbusConfig
 
+
 @dataclass
 class StreamLag:
     name: str
@@ -65,6 +66,7 @@ class RunProbe:
         self.generated: deque[tuple[float, float]] = deque()
         self.eval: dict[int, dict[str, float]] = {}
         self.sums: dict[str, float] = {}
+        self._from_rollouts = False
         self.started = time.monotonic()
 
     def observe(self, row: dict[str, Any]) -> None:
@@ -76,11 +78,16 @@ class RunProbe:
         for key in ("packer/groups", "packer/stale_groups", "filter/groups_dropped"):
             if key in row:
                 self.sums[key] = self.sums.get(key, 0.0) + float(row[key])
-        if source == "packer" and "packer/tokens" in row:
+        if source == "rollout" and "tokens_generated" in row:  # completion tokens of each group
+            if not self._from_rollouts:
+                self._from_rollouts = True
+                self.generated.clear()
+            self.generated.append((float(row["at"]), float(row["tokens_generated"])))
+        elif source == "packer" and "packer/tokens" in row and not self._from_rollouts:
             self.generated.append((float(row["at"]), float(row["packer/tokens"])))
 
     def _gen_rate(self, window_s: float = 60.0) -> float | None:
-        """Tokens the packer took in per second over the last ``window_s`` (what the rollouts delivered)."""
+        """Tokens generated per second over the last ``window_s`` (rollout reports; else what the packer took in)."""
         while len(self.generated) > 2 and self.generated[0][0] < time.time() - window_s:
             self.generated.popleft()
         if len(self.generated) < 2 or self.generated[-1][0] <= self.generated[0][0]:

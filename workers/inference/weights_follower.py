@@ -5,16 +5,23 @@ newest event is applied if it is a safetensors update newer than the loaded weig
 nccl/gloo broadcast cannot be joined late), then ``served`` is published once. While running,
 every nccl event is joined in order (the trainer waits for all receivers); runs of safetensors events
 collapse to the newest.
+
+Eval hold: while the run's state field ``eval:hold`` (:data:`workers.eval.EVAL_HOLD_FIELD`) is set,
+no safetensors update with ``step > hold`` is served: the follower stops reading at the first such
+event (``last_id`` stays before it) and re-checks the hold every ``block_ms``, so the eval of step
+``hold`` runs on exactly that version. nccl events are never held (the trainer waits on the broadcast).
 """
 
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from bus.errors import DecodeError
 from bus.log import get_logger
-from bus.messages import WeightUpdate
+from bus.messages import WeightUpdate, decode
 from bus.policy import publish_served
 from bus.streams import Bus
+from workers.eval import EVAL_HOLD_FIELD
 
 Apply = Callable[[WeightUpdate], Awaitable[None]]
 """Loads one update into the served model (returns once requests see the new weights)."""
@@ -34,8 +41,8 @@ class WeightsFollower:
         self.log = get_logger(worker="inference", server=server_id, run=bus.keys.run)
 
     async def start(self) -> None:
-        """Catch up with the newest event (if loadable) and publish ``served`` once."""
-        newest = await self.bus.last(self.bus.keys.weights())
+        """Catch up with the newest event not held back (if loadable) and publish ``served`` once."""
+        newest = await self._newest_unheld(await self._hold())
         if newest is not None:
             self.last_id, event = newest
             if isinstance(event, WeightUpdate) and event.step > self.step:
@@ -53,12 +60,44 @@ class WeightsFollower:
             entries = await self.bus.read_fanout(self.bus.keys.weights(), self.last_id, block_ms=self.block_ms)
             if not entries:
                 continue
-            self.last_id = entries[-1][0]
-            for event in _collapse([m for _, m in entries if isinstance(m, WeightUpdate)]):
+            hold = await self._hold()
+            events = []
+            for entry_id, message in entries:
+                if isinstance(message, WeightUpdate):
+                    if _held(message, hold):
+                        break
+                    events.append(message)
+                self.last_id = entry_id
+            for event in _collapse(events):
                 if event.step <= self.step and event.format == "safetensors":
                     continue
                 if await self._load(event):
                     await publish_served(self.bus, self.server_id, self.step)
+            if len(events) < sum(isinstance(m, WeightUpdate) for _, m in entries):
+                # Held: XREAD BLOCK returns at once while the held event is unread, so wait here instead.
+                self.log.debug("weights_held", hold=hold, served=self.step)
+                await asyncio.sleep(self.block_ms / 1000)
+
+    async def _hold(self) -> int | None:
+        value = await self.bus.state_get(EVAL_HOLD_FIELD)
+        return None if value is None else int(value)
+
+    async def _newest_unheld(self, hold: int | None) -> tuple[str, object] | None:
+        """The newest ``weights`` entry before the first held one (None: none, or the oldest is held)."""
+        stream = self.bus.keys.weights()
+        if hold is None:
+            return await self.bus.last(stream)
+        rows = await self.bus.redis.xrange(stream)
+        newest = None
+        for raw_id, fields in rows:
+            try:
+                message = decode(fields)
+            except DecodeError:
+                continue
+            if isinstance(message, WeightUpdate) and _held(message, hold):
+                break
+            newest = (raw_id.decode() if isinstance(raw_id, bytes) else raw_id, message)
+        return newest
 
     async def _load(self, event: WeightUpdate) -> bool:
         loop = asyncio.get_running_loop()
@@ -73,6 +112,11 @@ class WeightsFollower:
         self.log.info("weights_loaded", step=event.step, format=event.format,
                       dir=event.dir and Path(event.dir).name, load_s=round(loop.time() - start, 3))
         return True
+
+
+def _held(event: WeightUpdate, hold: int | None) -> bool:
+    """A safetensors update newer than the eval hold waits; nccl broadcasts never do."""
+    return hold is not None and event.format == "safetensors" and event.step > hold
 
 
 def _collapse(events: list[WeightUpdate]) -> list[WeightUpdate]:
