@@ -153,10 +153,10 @@ def test_inflight_cap_blocks_until_the_packer_releases(redis_url, run_name, bus)
         async with bus("filter") as b:
             state = b.keys.state()
             group = RolloutGroup(task_id="a:0:0", env="a", example_id="0", samples=[])
-            await b.commit([], [(b.keys.filtered("a"), group), (b.keys.metrics(), Metric(source="filter"))])
+            await b.commit([], [(b.keys.filtered("a"), group), (b.keys.metrics(), Metric(source="filter", values={}))])
             await asyncio.sleep(0.3)
             assert feeder.issued == 2  # the filter forwarded it: still in flight (waiting for the packer)
-            await b.commit([], [(b.keys.metrics(), Metric(source="packer", step=1))],  # the packer's step commit
+            await b.commit([], [(b.keys.metrics(), Metric(source="packer", step=1, values={}))],  # the packer's step commit
                            extra=lambda p: p.hincrby(state, INFLIGHT_FIELD, -4))
             await wait_issued(feeder, 3)
             await asyncio.sleep(0.3)

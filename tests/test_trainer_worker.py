@@ -130,3 +130,27 @@ def test_nccl_transport_broadcasts_to_a_follower_over_gloo(tmp_path, redis_url, 
     assert not (tmp_path / "out" / "weights").exists()
     versions = asyncio.run(stream(bus, lambda k: k.policy()))
     assert [p.step for p in versions if isinstance(p, PolicyVersion)] == [0, 1]
+
+
+def test_prune_keeps_served_steps_and_the_eval_hold(tmp_path, bus, run_name):
+    """keep_weights=1 after step 5: steps still served (2) and held for an eval (3) survive the prune."""
+    from types import SimpleNamespace
+
+    from bus.log import get_logger
+    from bus.policy import PolicyTracker, publish_served
+    from workers.eval import EVAL_HOLD_FIELD
+
+    for step in range(1, 6):
+        (tmp_path / "weights" / f"step_{step}").mkdir(parents=True)
+    worker = TrainerWorker.__new__(TrainerWorker)  # only what _prune uses: no model, no process group
+    worker.output_dir, worker.cfg, worker.log = tmp_path, SimpleNamespace(keep_weights=1), get_logger()
+
+    async def main():
+        async with bus("trainer") as b:
+            worker.bus, worker.tracker = b, PolicyTracker(b)
+            await publish_served(b, "server-0", 2)
+            await b.state_set(**{EVAL_HOLD_FIELD: 3})
+            await worker._prune(5)
+
+    asyncio.run(main())
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step_2", "step_3", "step_5"]
