@@ -136,11 +136,19 @@ class Bus:
             entries.append(Entry(stream, entry_id, fields, message, count))
         return entries
 
-    async def reclaim(self, stream: str, group: str, count: int = 16) -> list[Entry]:
+    async def reclaim(
+        self,
+        stream: str,
+        group: str,
+        count: int = 16,
+        *,
+        on_dead: Callable[[Entry, Pipeline], None] | None = None,
+    ) -> list[Entry]:
         """Claim up to ``count`` entries idle ≥ ``claim_idle_ms`` (their consumer presumed dead).
 
         An entry whose delivery count now exceeds ``max_deliveries`` (it was processed that many
-        times without an ack) is dead-lettered and acked instead of returned.
+        times without an ack) is dead-lettered and acked instead of returned; ``on_dead(entry, pipe)``
+        adds commands to that dead-letter commit (e.g. releasing the entry's in-flight count).
         """
         claimed: list = []
         cursor: bytes | str = "0-0"
@@ -164,7 +172,8 @@ class Bus:
         for entry in await self._decode_all(stream, group, claimed, deliveries):
             if entry.deliveries > self.cfg.max_deliveries:
                 reason = f"delivered {entry.deliveries} times (> redis.max_deliveries={self.cfg.max_deliveries})"
-                await self.dead_letter(entry, reason=reason, group=group)
+                extra = (lambda pipe, entry=entry: on_dead(entry, pipe)) if on_dead is not None else None
+                await self.dead_letter(entry, reason=reason, group=group, extra=extra)
             else:
                 entries.append(entry)
         return entries
@@ -192,10 +201,12 @@ class Bus:
         reason: str,
         group: str | None = None,
         deliveries: int | None = None,
+        extra: Callable[[Pipeline], None] | None = None,
     ) -> str:
         """Publish a DeadLetter (reason + original fields) to ``dead`` and, with ``group``, ack the entry.
 
-        Pass an :class:`Entry`, or ``stream, entry_id, fields``. Returns the dead letter's id.
+        Pass an :class:`Entry`, or ``stream, entry_id, fields``; ``extra(pipe)`` joins the same commit.
+        Returns the dead letter's id.
         """
         if isinstance(entry, Entry):
             stream, entry_id, fields = entry.stream, entry.id, entry.fields
@@ -213,7 +224,7 @@ class Bus:
             fields={_str(k): v if isinstance(v, bytes) else str(v).encode() for k, v in (fields or {}).items()},
         )
         acks = [(stream, group, entry_id)] if group is not None else []
-        ids = await self.commit(acks, [(self.keys.dead(), letter)])
+        ids = await self.commit(acks, [(self.keys.dead(), letter)], extra=extra)
         self.log.warning("entry_dead_lettered", stream=stream, entry_id=entry_id, reason=reason)
         return ids[0]
 

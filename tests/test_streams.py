@@ -123,6 +123,24 @@ def test_entry_delivered_more_than_max_deliveries_goes_dead(bus):
     asyncio.run(main())
 
 
+def test_dead_lettered_task_releases_its_inflight_samples(bus):
+    from workers.feeder import INFLIGHT_FIELD, release_inflight
+
+    async def main():
+        cfg = {"claim_idle_ms": 100, "max_deliveries": 1}
+        async with bus("a", **cfg) as a, bus("b", **cfg) as b:
+            stream = a.keys.tasks("e")
+            await a.redis.hset(a.keys.state(), INFLIGHT_FIELD, 2)
+            await a.publish(stream, task(0))  # group_size 2
+            assert len(await a.read_group([stream], GROUP)) == 1
+            await asyncio.sleep(0.15)
+            assert await b.reclaim(stream, GROUP, on_dead=release_inflight(b.keys.state())) == []
+            assert int(await b.redis.hget(b.keys.state(), INFLIGHT_FIELD)) == 0
+            assert (await b.redis.xpending(stream, GROUP))["pending"] == 0
+
+    asyncio.run(main())
+
+
 def test_commit_acks_and_publishes_together(bus):
     async def main():
         async with bus("w1") as b:

@@ -9,9 +9,10 @@
   packer, so the cap bounds everything between feeder and packer (tasks, rollouts, groups waiting
   in ``filtered:*``). The feeder adds ``group_size`` in the same MULTI as the XADD; the packer
   subtracts the samples of every group it consumes (packed, stale, post-batch filtered), the
-  filter the samples its enforced pre-batch filters drop, the rollout worker a dead-lettered
-  task's group. Eval tasks never count. The feeder issues a task only while
-  ``inflight + group_size ≤ max_inflight_rollouts``; otherwise it blocks (XREAD BLOCK) on the
+  filter the samples its enforced pre-batch filters drop, and a dead-lettered training task or
+  group gives its samples back in its dead-letter commit (the rollout worker's own, and
+  ``Bus.reclaim`` with the :func:`release_inflight` hook). Eval tasks never count. The feeder
+  issues a task only while ``inflight + group_size ≤ max_inflight_rollouts``; otherwise it blocks (XREAD BLOCK) on the
   streams written in the same MULTI as each decrement: ``metrics`` (every filter and packer
   commit writes one) and ``dead``.
 - Cursor: ``feeder:cursor:{env}`` / ``feeder:epoch:{env}`` in the state hash move in the same
@@ -22,17 +23,34 @@
 import argparse
 import asyncio
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from redis.asyncio.client import Pipeline
 
 from bus.errors import ConfigError
 from bus.log import configure_logging, get_logger
-from bus.messages import Task
-from bus.streams import Bus, CommitConflict
+from bus.messages import RolloutGroup, Task
+from bus.streams import Bus, CommitConflict, Entry
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 
 INFLIGHT_FIELD = "inflight"
 """State hash field: samples issued by the feeder and not yet consumed by the packer (dropped, dead-lettered)."""
+
+
+def release_inflight(state_key: str) -> Callable[[Entry, Pipeline], None]:
+    """An ``on_dead`` hook for Bus.reclaim: a training task or group dead-lettered between the feeder and
+    the packer gives its samples back to the in-flight count (eval work never counted)."""
+
+    def release(entry: Entry, pipe: Pipeline) -> None:
+        message = entry.message
+        if isinstance(message, Task) and message.eval_step is None:
+            pipe.hincrby(state_key, INFLIGHT_FIELD, -message.group_size)
+        elif isinstance(message, RolloutGroup) and message.eval_step is None:
+            pipe.hincrby(state_key, INFLIGHT_FIELD, -len(message.samples))
+
+    return release
 
 
 def cursor_field(env: str) -> str:

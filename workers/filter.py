@@ -27,7 +27,7 @@ from bus.messages import Metric, RolloutGroup
 from bus.streams import Bus, Entry
 from workers.advantages import assign_advantages, zero_variance
 from workers.config import RlbusConfig
-from workers.feeder import INFLIGHT_FIELD
+from workers.feeder import INFLIGHT_FIELD, release_inflight
 from workers.filters import FilterCounts, apply_filters
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 
@@ -112,7 +112,9 @@ class FilterWorker:
             if time.monotonic() - last_reclaim > self.config.redis.claim_idle_ms / 1000:
                 last_reclaim = time.monotonic()
                 for stream in self.streams:
-                    entries += await self.bus.reclaim(stream, GROUP_FILTER)
+                    entries += await self.bus.reclaim(
+                        stream, GROUP_FILTER, on_dead=release_inflight(self.bus.keys.state())
+                    )
             if not entries:
                 entries = await self.bus.read_group(
                     self.streams, GROUP_FILTER, count=16, block_ms=self.config.redis.block_ms

@@ -39,7 +39,7 @@ from bus.messages import Metric, RolloutGroup, decode
 from bus.policy import PolicyTracker
 from bus.streams import Bus, CommitConflict, Entry
 from workers.config import RlbusConfig
-from workers.feeder import INFLIGHT_FIELD
+from workers.feeder import INFLIGHT_FIELD, release_inflight
 from workers.filter import model_vocab_size
 from workers.filters import FilterCounts, apply_filters
 from workers.lifecycle import connect_bus, run_worker
@@ -175,7 +175,9 @@ class PackerWorker:
         entries: list[Entry] = []
         if reclaim:  # idle entries of a dead consumer; our own held ones are kept busy by _keep_alive
             for stream in self.streams:
-                claimed = await self.bus.reclaim(stream, GROUP_PACKER)
+                claimed = await self.bus.reclaim(
+                    stream, GROUP_PACKER, on_dead=release_inflight(self.bus.keys.state())
+                )
                 entries += [e for e in claimed if (e.stream, e.id) not in self._ids]
         entries += await self.bus.read_group(
             self.streams, GROUP_PACKER, count=64, block_ms=self.config.redis.block_ms

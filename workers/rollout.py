@@ -26,7 +26,7 @@ from bus.policy import PolicyTracker
 from bus.streams import Bus, Entry
 from workers.config import EnvConfig, EvalEnvConfig, RlbusConfig, SamplingConfig
 from workers.episode import ChatTokens, GroupRunner
-from workers.feeder import INFLIGHT_FIELD
+from workers.feeder import INFLIGHT_FIELD, release_inflight
 from workers.gate import StalenessGate
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 
@@ -140,7 +140,9 @@ class RolloutWorker:
         entries: list[Entry] = []
         for stream in self.streams:
             if len(entries) < count:
-                claimed = await self.bus.reclaim(stream, GROUP_ROLLOUT, count=count - len(entries))
+                claimed = await self.bus.reclaim(
+                    stream, GROUP_ROLLOUT, count=count - len(entries), on_dead=release_inflight(self.bus.keys.state())
+                )
                 entries += [e for e in claimed if (e.stream, e.id) not in self._running]
         if entries:
             for entry in entries:
