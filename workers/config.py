@@ -434,7 +434,7 @@ class InferenceConfig(Section):
     """Port of the first server."""
 
     base_urls: list[str] = Field(default_factory=list)
-    """Servers the clients use (``http://host:port/v1``); empty = the ones ``rlbus run`` starts."""
+    """Servers the clients use (``http://host:port/v1``); empty = ``servers`` servers at host:port, port+1, …"""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the built-in server."""
@@ -567,6 +567,11 @@ class RlbusConfig(Section):
         factor = self.feeder.oversampling_factor if self.feeder.oversampling_factor is not None else 1.0
         largest = max((e.group_size for e in self.env), default=1)
         return max(largest, int(batch * factor) + largest - 1)
+
+    def inference_urls(self) -> list[str]:
+        """Base URLs of the policy's inference servers: ``inference.base_urls``, else the ``servers`` local ports."""
+        cfg = self.inference
+        return cfg.base_urls or [f"http://{cfg.host}:{cfg.port + i}/v1" for i in range(cfg.servers)]
 
     def env_sampling(self, env: EnvConfig) -> SamplingConfig:
         """Sampling of one env: its own section, else [sampling]."""

@@ -74,7 +74,7 @@ class RolloutWorker:
         self.handles = dict(zip(self.envs, handles, strict=True))
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.path)
         chat = ChatTokens(tokenizer)
-        client = self._client(InferenceClient, cfg.inference.base_urls, "inference.base_urls")
+        client = self._client(InferenceClient, cfg.inference_urls(), "inference.base_urls")
         teacher = None
         if any(e.mode in ("opd", "sft") for e in self.envs.values()):
             teacher = self._client(InferenceClient, cfg.teacher.base_urls, "teacher.base_urls")
@@ -90,7 +90,7 @@ class RolloutWorker:
         from bus.errors import ConfigError
 
         if not base_urls:
-            raise ConfigError(f"{name} is empty; list the servers (http://HOST:PORT/v1) or start them with `rlbus run`")
+            raise ConfigError(f"{name} is empty; list the servers (http://HOST:PORT/v1) or let `rlbus run` start them")
         inf = self.config.inference
         client = cls(base_urls, timeout_s=inf.request_timeout_s, max_retries=inf.max_retries,
                      api_key_var=inf.api_key_var, headers_from_env=inf.headers_from_env)

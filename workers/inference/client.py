@@ -66,8 +66,7 @@ class InferenceClient:
     @classmethod
     def from_config(cls, config: "RlbusConfig") -> "InferenceClient":
         cfg = config.inference
-        urls = cfg.base_urls or [f"http://{cfg.host}:{cfg.port + i}/v1" for i in range(cfg.servers)]
-        return cls(urls, cfg.request_timeout_s, cfg.max_retries, cfg.api_key_var, cfg.headers_from_env)
+        return cls(config.inference_urls(), cfg.request_timeout_s, cfg.max_retries, cfg.api_key_var, cfg.headers_from_env)
 
     def pick_server(self) -> int:
         """The next server index, round-robin (pin a group's requests to it)."""
