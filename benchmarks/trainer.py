@@ -125,7 +125,7 @@ def run_trainer(args, device, dtype, d) -> tuple[float, float, float]:
     def step():
         batches = [to_device(mb, device) for mb in mbs]
         train_step(policy, opt, sched, batches, loss_fns=fns, ctx=DistContext(), step=1, max_grad_norm=1.0,
-                   n_params=n_params)
+                   n_params=n_params, forward_batch=args.forward_batch)
 
     result = timed(step, args, device)
     return result
@@ -157,6 +157,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default 256 cpu / 2048 cuda")
     parser.add_argument("--sample-len", type=int, default=None, help="tokens per packed sample (default: seq-len)")
     parser.add_argument("--chunk-size", type=int, default=1024, help="logprob chunk (tokens)")
+    parser.add_argument("--forward-batch", type=int, default=None,
+                        help="trainer micro-batches per forward pass (trainer.forward_batch); default: --batch, as bare")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (both loops)")
@@ -167,13 +169,14 @@ def main() -> None:
     args.batch = args.batch or (8 if gpu else 4)
     args.seq_len = args.seq_len or (2048 if gpu else 256)
     args.sample_len = args.sample_len or args.seq_len
+    args.forward_batch = args.forward_batch or args.batch
     args.warmup = max(1, args.warmup)
     torch.set_num_threads(torch.get_num_threads() if gpu else 1)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if gpu else torch.float32
     d = data(args, PRESETS[args.preset]["vocab_size"])
     print(f"preset={args.preset} device={device} dtype={dtype} tokens/step={args.batch}x{args.seq_len} "
-          f"sample_len={args.sample_len} compile={args.compile} steps={args.steps} warmup={args.warmup}", flush=True)
+          f"sample_len={args.sample_len} compile={args.compile} steps={args.steps} warmup={args.warmup} forward_batch={args.forward_batch}", flush=True)
     results = {}
     for name, fn in (("trainer", run_trainer), ("bare", run_bare)):
         if args.only and args.only != name:

@@ -89,15 +89,24 @@ class PolicyModel(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, temperatures: Tensor) -> TokenLogprobs:
-        """input_ids, position_ids ``[T]`` int64; temperatures ``[T]`` fp32 (token t's sampling temperature)."""
-        out = self.lm.base_model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
-        hidden = out.last_hidden_state[0]
-        temps = temperatures[1:].float()
+        """input_ids, position_ids ``[T]`` or ``[B, T]`` int64; temperatures the same shape, fp32 (token t's
+        sampling temperature). Rows of a ``[B, T]`` batch are independent packed sequences; outputs have the
+        input's shape."""
+        rows = input_ids.dim() == 2
+        if not rows:
+            input_ids, position_ids, temperatures = input_ids[None], position_ids[None], temperatures[None]
+        out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state[:, :-1].reshape(-1, out.last_hidden_state.shape[-1])
+        temps = temperatures[:, 1:].float().reshape(-1)
         inv_temp = torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), torch.ones_like(temps))
         weight = self.lm.get_output_embeddings().weight
-        logprobs, entropy = ChunkedLogprobs.apply(hidden[:-1], weight, input_ids[1:], inv_temp, self.chunk_size)
-        first = position_ids[1:] == 0  # first token of a sample: not predicted from this sample
-        zero = logprobs.new_zeros(1)
-        logprobs = torch.cat([zero, logprobs.masked_fill(first, 0.0)])
-        entropy = torch.cat([zero, entropy.masked_fill(first, 0.0)])
+        targets = input_ids[:, 1:].reshape(-1)
+        logprobs, entropy = ChunkedLogprobs.apply(hidden, weight, targets, inv_temp, self.chunk_size)
+        first = position_ids[:, 1:] == 0  # first token of a sample: not predicted from this sample
+        zero = logprobs.new_zeros(input_ids.shape[0], 1)
+        shape = first.shape
+        logprobs = torch.cat([zero, logprobs.view(shape).masked_fill(first, 0.0)], dim=1)
+        entropy = torch.cat([zero, entropy.view(shape).masked_fill(first, 0.0)], dim=1)
+        if not rows:
+            logprobs, entropy = logprobs[0], entropy[0]
         return TokenLogprobs(logprobs=logprobs, entropy=entropy)

@@ -395,6 +395,10 @@ class TrainerConfig(Section):
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk when computing logprobs over the vocabulary (bounds logits memory)."""
 
+    forward_batch: int = Field(1, ge=1)
+    """Micro-batches stacked into one forward/backward pass (rows padded to the longest). Same update; on a GPU,
+    larger values mean fewer, larger kernels (higher utilisation) at the cost of activation memory."""
+
     compile: bool = False
     """torch.compile the decoder layers (GPU)."""
 

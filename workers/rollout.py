@@ -3,7 +3,10 @@
 A member of consumer group ``rollout`` on every env's task stream. Up to
 ``rollout.max_concurrent_groups`` groups run at once; each waits on the staleness gate, plays its
 episodes (:mod:`workers.episode`) and commits the RolloutGroup together with the task's XACK in
-one MULTI, so a group is published once or not at all.
+one MULTI, so a group is published once or not at all. A group waiting at the gate holds no slot:
+otherwise training tasks blocked while the eval hold pins ``served`` would fill every slot and the
+eval tasks that release the hold could never start (a deadlock). The feeder's ``inflight`` cap
+bounds how many training tasks can wait.
 
 - Failures: an attempt that raises is retried ``env.max_retries`` times, ``rollout.retry_delay_s``
   apart; then the task goes to ``dead`` with the error, and ``inflight`` drops by its group size,
@@ -50,6 +53,8 @@ class RolloutWorker:
         self.gate: StalenessGate | None = None
         self.streams: list[str] = []
         self._running: dict[tuple[str, str], Entry] = {}
+        self._gated = 0
+        """Groups waiting at the staleness gate (they hold no concurrency slot)."""
         self._stop = asyncio.Event()
         self._next_start = 0.0
         self.groups_done = 0
@@ -103,10 +108,13 @@ class RolloutWorker:
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
             while not self._stop.is_set():
-                if len(active) >= limit:
-                    await asyncio.wait(active, return_when=asyncio.FIRST_COMPLETED)
+                busy = len(active) - self._gated
+                if busy >= limit:
+                    # Re-check every block_ms: a group that reaches the gate frees its slot without finishing.
+                    await asyncio.wait(active, timeout=self.config.redis.block_ms / 1000,
+                                       return_when=asyncio.FIRST_COMPLETED)
                 elif await self._rate_limit():
-                    count = 1 if self.config.rollout.tasks_per_minute else limit - len(active)
+                    count = 1 if self.config.rollout.tasks_per_minute else limit - busy
                     for entry in await self._next_entries(count):
                         self._running[(entry.stream, entry.id)] = entry
                         active.add(asyncio.create_task(self._handle(entry)))
@@ -181,7 +189,12 @@ class RolloutWorker:
         log = self.log.bind(task_id=task.task_id, env=task.env)
         error = None
         for attempt in range(env.max_retries + 1):
-            wait_gate_s = await self.gate.wait(task.eval_step, stop=self._stop)
+            closed = not self.gate.is_open(task.eval_step)
+            self._gated += closed
+            try:
+                wait_gate_s = await self.gate.wait(task.eval_step, stop=self._stop)
+            finally:
+                self._gated -= closed
             if not self.gate.is_open(task.eval_step):
                 await self._hand_back(entry, task)
                 log.info("task_handed_back", reason="stopping while the staleness gate is closed")
