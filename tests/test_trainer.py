@@ -29,13 +29,11 @@ def step_gradients(mbs, forward_batch=1):
     AdamW's first update is ≈ lr·sign(g), so float-rounding noise on a near-zero gradient moves a weight by ~lr."""
     policy, opt, sched = setup_policy()
     grads = {}
-    adam_step = opt.step
 
-    def record(*args, **kwargs):
+    def record(_optimizer, _args, _kwargs):
         grads.update({name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None})
-        return adam_step(*args, **kwargs)
 
-    opt.step = record
+    opt.register_step_pre_hook(record)
     return run_step(policy, opt, sched, mbs, forward_batch=forward_batch), grads
 
 
