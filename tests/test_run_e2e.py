@@ -22,8 +22,9 @@ from bus.local_redis import LocalRedis, free_port
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT = REPO / "configs" / "default.toml"
 
-LEARNING_THRESHOLD = 0.15
-"""The README's claim: the default job's mean training reward over its last 20 steps exceeds this."""
+LEARNING_THRESHOLD = 0.3
+"""The README's claim: the default job's mean training reward over its last 20 steps exceeds this (best constant
+answer ≈ 0.2; measured 0.50 and 0.45 at step 600 on the shared 2-core box)."""
 
 
 def start_run(out: Path, model_dir: Path, *overrides: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:

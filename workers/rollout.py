@@ -189,12 +189,11 @@ class RolloutWorker:
         log = self.log.bind(task_id=task.task_id, env=task.env)
         error = None
         for attempt in range(env.max_retries + 1):
-            closed = not self.gate.is_open(task.eval_step)
-            self._gated += closed
+            self._gated += 1
             try:
                 wait_gate_s = await self.gate.wait(task.eval_step, stop=self._stop)
             finally:
-                self._gated -= closed
+                self._gated -= 1
             if not self.gate.is_open(task.eval_step):
                 await self._hand_back(entry, task)
                 log.info("task_handed_back", reason="stopping while the staleness gate is closed")
