@@ -294,11 +294,12 @@ class PackerConfig(Section):
 
     max_off_policy_steps: int = Field(8, ge=1)
     """Policy versions a step may lag behind: step s trains only on groups started at version ≥ s − this, and a
-    rollout starts only while served ≥ trained + 1 − this. 1 is strictly on-policy (step s uses rollouts of
-    policy s − 1 only); higher values trade off-policy noise for throughput."""
+    rollout starts only while served ≥ (trained + 1 + prefetch_steps) − this. Must exceed prefetch_steps;
+    prefetch_steps + 1 is as on-policy as prefetching allows (1 with no prefetch: step s uses policy s − 1
+    only); higher values trade off-policy noise for throughput."""
 
     prefetch_steps: int = Field(1, ge=0)
-    """Build step s only once s ≤ trained + 1 + prefetch_steps."""
+    """Build step s only once s ≤ trained + 1 + prefetch_steps (the trainer never waits on packing)."""
 
     collapse_after: int | None = Field(None, ge=1)
     """Stop the run after this many consecutive zero-variance groups; None = 100 × the smallest batch in groups."""
@@ -313,6 +314,12 @@ class PackerConfig(Section):
         if self.batch_size is not None and self.token_batch_size is not None:
             raise ValueError("set exactly one of packer.batch_size or packer.token_batch_size, not both")
         _unique_filter_types(self.post_batch_filters, "packer.post_batch_filters")
+        if self.max_off_policy_steps <= self.prefetch_steps:
+            raise ValueError(
+                f"packer.max_off_policy_steps={self.max_off_policy_steps} must exceed packer.prefetch_steps="
+                f"{self.prefetch_steps}: step trained + 1 + {self.prefetch_steps} is built from groups of policy ≤ trained,"
+                f" so every group would be dropped as stale; raise max_off_policy_steps or lower prefetch_steps"
+            )
         return self
 
 

@@ -1,11 +1,12 @@
 """The staleness gate: a rollout starts only while the served policy is recent enough.
 
 Admission (ART's ``_wait_for_policy``, prime-rl's ``max_off_policy_steps``): with
-``next_step = trained + 1`` (the step the trainer works on next), a training group may start
-while ``served ≥ next_step − max_off_policy_steps``. ``served`` is the oldest version any
-inference server serves, so a group started now is at most ``max_off_policy_steps`` behind the
-step it will be trained in. The packer re-checks when it builds a step (the guarantee); the gate
-only keeps rollouts from running ahead (admission).
+``next_step = trained + 1 + prefetch_steps`` (the step the packer builds next: it runs up to
+``prefetch_steps`` ahead of the trainer), a training group may start while
+``served ≥ next_step − max_off_policy_steps``. ``served`` is the oldest version any inference
+server serves, so a group started now is still fresh enough for the step it will be packed into.
+The packer re-checks when it builds a step (the guarantee: it drops groups older than
+``s − max_off_policy_steps``); the gate only keeps rollouts from running ahead (admission).
 
 Eval tasks carry ``eval_step``: they wait until every server serves at least that version and
 are never held back as stale, however far training has moved on.
@@ -17,11 +18,12 @@ import time
 from bus.policy import PolicyTracker
 
 
-def admits(served: int, trained: int, max_off_policy_steps: int, eval_step: int | None = None) -> bool:
+def admits(served: int, trained: int, max_off_policy_steps: int, prefetch_steps: int = 0,
+           eval_step: int | None = None) -> bool:
     """Whether a group may start now (pure: served/trained versions in, decision out)."""
     if eval_step is not None:
         return served >= eval_step
-    next_step = trained + 1
+    next_step = trained + 1 + prefetch_steps
     return served >= next_step - max_off_policy_steps
 
 
@@ -32,15 +34,18 @@ class StalenessGate:
     ``policy`` stream (XREAD BLOCK through the tracker); the others re-check when it wakes.
     """
 
-    def __init__(self, tracker: PolicyTracker, max_off_policy_steps: int, block_ms: int = 1_000):
+    def __init__(self, tracker: PolicyTracker, max_off_policy_steps: int, prefetch_steps: int = 0,
+                 block_ms: int = 1_000):
         self.tracker = tracker
         self.max_off_policy_steps = max_off_policy_steps
+        self.prefetch_steps = prefetch_steps
         self.block_ms = block_ms
         self._lock = asyncio.Lock()
 
     def is_open(self, eval_step: int | None = None) -> bool:
         """Whether a group would be admitted with the versions the tracker has seen so far."""
-        return admits(self.tracker.served, self.tracker.trained, self.max_off_policy_steps, eval_step)
+        return admits(self.tracker.served, self.tracker.trained, self.max_off_policy_steps, self.prefetch_steps,
+                      eval_step)
 
     async def wait(self, eval_step: int | None = None, stop: asyncio.Event | None = None) -> float:
         """Wait until admitted; returns seconds waited. Returns early (not admitted) once ``stop`` is set."""

@@ -84,7 +84,8 @@ class RolloutWorker:
         if any(e.mode in ("opd", "sft") for e in self.envs.values()):
             teacher = self._client(InferenceClient, cfg.teacher.base_urls, "teacher.base_urls")
         tracker = PolicyTracker(self.bus)
-        self.gate = StalenessGate(tracker, cfg.packer.max_off_policy_steps, cfg.redis.block_ms)
+        self.gate = StalenessGate(tracker, cfg.packer.max_off_policy_steps, cfg.packer.prefetch_steps,
+                                  cfg.redis.block_ms)
         served = lambda: tracker.served  # noqa: E731
         self.runner = GroupRunner(chat, client, teacher, cfg.inference.max_model_len, fallback_version=served)
         if teacher is not None:
