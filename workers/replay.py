@@ -57,7 +57,9 @@ def replay(client: redis.Redis, from_run: str, to_run: str, family: str, env: st
 
 def main(config: RlbusConfig | None, argv: list[str]) -> int:
     """``rlbus replay``: copy recorded rollouts or batches of one run into another run's streams."""
-    parser = argparse.ArgumentParser(prog="rlbus replay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="rlbus replay", description="Copy recorded rollouts or batches of one run into another run's streams."
+    )
     parser.add_argument("--from-run", required=True, help="run whose entries are copied")
     parser.add_argument("--to-run", required=True, help="run that receives them")
     parser.add_argument("--stream", required=True, choices=("rollouts", "batches"), help="stream family to copy")
