@@ -83,17 +83,14 @@ def unpackb(data: bytes) -> Any:
 
 
 def _coercer(dtype: np.dtype):
-    wire_str = dtype.str
+    wire_str, itemsize, frombuffer = dtype.str, dtype.itemsize, np.frombuffer
 
     def coerce(value: Any) -> np.ndarray:
-        # Hot path: a 1-D wire triple of exactly this dtype, as msgpack decodes it.
-        if type(value) is list and len(value) == 3 and value[0] == wire_str and type(value[2]) is bytes:
-            shape = value[1]
-            if type(shape) is list and len(shape) == 1:
-                array = np.frombuffer(value[2], dtype=dtype)
-                if len(array) != shape[0]:
-                    raise ValueError(f"wire array declares shape {shape} but holds {len(array)} values")
-                return array
+        # Hot path: a 1-D wire triple of exactly this dtype whose bytes fit its shape, as msgpack decodes it.
+        if type(value) is list and len(value) == 3 and value[0] == wire_str:
+            shape, raw = value[1], value[2]
+            if type(raw) is bytes and type(shape) is list and len(shape) == 1 and len(raw) == shape[0] * itemsize:
+                return frombuffer(raw, dtype=dtype)
         if isinstance(value, np.ndarray):
             array = value if value.dtype == dtype else value.astype(dtype)
         elif _is_wire(value):

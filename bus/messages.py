@@ -74,7 +74,7 @@ def _decode(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
     if not isinstance(payload, dict):
         raise DecodeError(f"{cls.KIND} data is a {type(payload).__name__}, expected a map")
     try:
-        return cls.model_validate(payload)
+        return cls.__pydantic_validator__.validate_python(payload)
     except ValidationError as e:
         raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
 
