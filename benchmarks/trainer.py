@@ -113,7 +113,7 @@ def run_bare(args, device, dtype, d) -> tuple[float, float, float]:
 
 def run_trainer(args, device, dtype, d) -> tuple[float, float, float]:
     lm = build(args.preset, device, dtype)
-    policy = PolicyModel(lm, chunk_size=args.chunk_size)
+    policy = PolicyModel(lm, chunk_size=args.chunk_size, compile_head=args.compile)
     if args.compile:
         compile_layers(lm)
     opt = build_optimizer(policy, TRAINER_CFG)

@@ -16,27 +16,46 @@ import torch
 from torch import Tensor, nn
 
 
+def chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor) -> tuple[Tensor, Tensor]:
+    """One chunk's ``(logprob of target, entropy)``, both ``[n]`` fp32, from hidden ``[n, H]``."""
+    logits = (hidden @ weight.t()).float() * inv_temp[:, None]
+    lse = logits.logsumexp(-1)
+    target = logits.gather(-1, targets[:, None])[:, 0]
+    probs = (logits - lse[:, None]).exp()
+    return target - lse, lse - (probs * logits).sum(-1)
+
+
+def chunk_logits_grad(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, grad_out: Tensor) -> Tensor:
+    """d(Σ grad_out · logprob) / d(hidden Wᵀ) of one chunk, ``[n, V]`` in the weight's dtype.
+
+    ``d logp[target] / d logits = onehot(target) − softmax``, times the incoming gradient and 1/τ.
+    """
+    probs = ((hidden @ weight.t()).float() * inv_temp[:, None]).softmax(-1)
+    columns = torch.arange(probs.shape[-1], device=probs.device)
+    grad = torch.where(columns[None, :] == targets[:, None], 1.0 - probs, -probs)
+    return (grad * (grad_out * inv_temp)[:, None]).to(weight.dtype)
+
+
 class ChunkedLogprobs(torch.autograd.Function):
     """``log softmax(h Wᵀ / τ)[target]`` and the entropy of that distribution, chunk by chunk.
 
     Shapes: hidden ``[T, H]``, weight ``[V, H]``, targets ``[T]`` (int64), inv_temp ``[T]`` (fp32)
     → logprobs ``[T]`` fp32 (differentiable), entropy ``[T]`` fp32 (a metric: no gradient).
+    ``fns`` is ``(chunk_logprobs, chunk_logits_grad)`` or torch.compiled versions of them (one
+    fused kernel per chunk instead of a dozen passes over ``[chunk, V]`` fp32).
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk_size: int):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk_size: int, fns):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits = (hidden[start:end] @ weight.t()).float() * inv_temp[start:end, None]
-            lse = logits.logsumexp(-1)
-            logprobs[start:end] = logits.gather(-1, targets[start:end, None])[:, 0] - lse
-            probs = (logits - lse[:, None]).exp_()
-            entropy[start:end] = lse - (probs * logits).sum(-1)
+            logprobs[start:end], entropy[start:end] = fns[0](hidden[start:end], weight, targets[start:end],
+                                                               inv_temp[start:end])
         ctx.save_for_backward(hidden, weight, targets, inv_temp)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.fns = chunk_size, fns
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -45,22 +64,17 @@ class ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets, inv_temp = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        rows = torch.arange(ctx.chunk_size, device=hidden.device)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            logits = (h @ weight.t()).float() * inv_temp[start:end, None]
-            # d logp[target] / d logits = onehot(target) - softmax, times the incoming gradient and 1/τ.
-            grad = logits.softmax(-1).mul_(-grad_logprobs[start:end, None])
-            grad[rows[: end - start], targets[start:end]] += grad_logprobs[start:end]
-            grad = grad.mul_(inv_temp[start:end, None]).to(weight.dtype)
+            grad = ctx.fns[1](h, weight, targets[start:end], inv_temp[start:end], grad_logprobs[start:end])
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad @ weight
             if grad_weight is not None:
                 grad_weight += (grad.t() @ h).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 @dataclass
@@ -80,13 +94,15 @@ class PolicyModel(nn.Module):
     (tied or not). ``lm`` stays reachable as ``.lm`` (its state dict is the Hugging Face one).
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024):
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024, compile_head: bool = False):
         super().__init__()
         head = lm.get_output_embeddings()
         if not isinstance(head, nn.Linear) or head.bias is not None:
             raise ValueError(f"{type(lm).__name__}: output head {type(head).__name__} is not a bias-free Linear")
         self.lm = lm
         self.chunk_size = chunk_size
+        fns = (chunk_logprobs, chunk_logits_grad)
+        self.head_fns = tuple(torch.compile(fn, dynamic=False) for fn in fns) if compile_head else fns
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, temperatures: Tensor) -> TokenLogprobs:
         """input_ids, position_ids ``[T]`` or ``[B, T]`` int64; temperatures the same shape, fp32 (token t's
@@ -101,12 +117,11 @@ class PolicyModel(nn.Module):
         inv_temp = torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), torch.ones_like(temps))
         weight = self.lm.get_output_embeddings().weight
         targets = input_ids[:, 1:].reshape(-1)
-        logprobs, entropy = ChunkedLogprobs.apply(hidden, weight, targets, inv_temp, self.chunk_size)
+        logprobs, entropy = ChunkedLogprobs.apply(hidden, weight, targets, inv_temp, self.chunk_size, self.head_fns)
         first = position_ids[:, 1:] == 0  # first token of a sample: not predicted from this sample
+        logprobs = logprobs.view(first.shape).masked_fill(first, 0.0)
+        entropy = entropy.view(first.shape).masked_fill(first, 0.0)
         zero = logprobs.new_zeros(input_ids.shape[0], 1)
-        shape = first.shape
-        logprobs = torch.cat([zero, logprobs.view(shape).masked_fill(first, 0.0)], dim=1)
-        entropy = torch.cat([zero, entropy.view(shape).masked_fill(first, 0.0)], dim=1)
-        if not rows:
-            logprobs, entropy = logprobs[0], entropy[0]
-        return TokenLogprobs(logprobs=logprobs, entropy=entropy)
+        if not rows:  # concatenate the 1-D rows: a fresh tensor, not a view (FSDP hooks the module's outputs)
+            return TokenLogprobs(logprobs=torch.cat([zero[0], logprobs[0]]), entropy=torch.cat([zero[0], entropy[0]]))
+        return TokenLogprobs(logprobs=torch.cat([zero, logprobs], dim=1), entropy=torch.cat([zero, entropy], dim=1))

@@ -57,8 +57,8 @@ class TrainerWorker:
         lm = load_model(self.config.model.path, self.device, resolve_dtype(self.config.model.dtype, self.device))
         self.n_params = count_parameters(lm)
         self.lm_config = lm.config
-        self.policy = prepare_model(PolicyModel(lm, self.cfg.logprob_chunk_size), self.ctx, self.device.type,
-                                    self.cfg.compile)
+        self.policy = prepare_model(PolicyModel(lm, self.cfg.logprob_chunk_size, compile_head=self.cfg.compile),
+                                    self.ctx, self.device.type, self.cfg.compile)
         self.optimizer = build_optimizer(self.policy, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg, self.config.run.max_steps)
         self.loss_fns = loss_fns(self.cfg.loss)

@@ -407,7 +407,7 @@ class TrainerConfig(Section):
     larger values mean fewer, larger kernels (higher utilisation) at the cost of activation memory."""
 
     compile: bool = False
-    """torch.compile the decoder layers (GPU)."""
+    """torch.compile each decoder layer and the chunked logprob head (GPU; the first step compiles)."""
 
     weight_transport: Literal["safetensors", "nccl"] = "safetensors"
     """How new weights reach inference servers: safetensors shards on disk, or an nccl/gloo broadcast."""
