@@ -6,8 +6,6 @@ so a run's multi-key transactions stay on one slot. No other module spells a key
 
 from dataclasses import dataclass
 
-STREAM_FAMILIES = ("tasks", "rollouts", "filtered", "batches", "weights", "policy", "metrics", "dead")
-
 
 @dataclass(frozen=True)
 class Keys:
@@ -64,7 +62,7 @@ class Keys:
 
     def pattern(self) -> str:
         """A SCAN pattern matching every key of this run."""
-        return f"rlbus:{{{self.run}}}:*"
+        return f"{self.prefix}*"
 
     def family(self, key: str) -> str:
         """The family name (``tasks``, ``batches``, …) of one of this run's keys."""

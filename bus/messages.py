@@ -242,7 +242,7 @@ class RolloutGroup(Message):
 
     @property
     def tokens(self) -> int:
-        return sum([len(s.prompt_ids) + len(s.completion_ids) for s in self.samples])
+        return sum([s.num_tokens for s in self.samples])
 
     @property
     def samples_count(self) -> int:

@@ -11,6 +11,9 @@ from collections.abc import Callable
 from bus.messages import PolicyVersion
 from bus.streams import Bus
 
+_PAGE = 1000
+"""Policy events read per XREAD; a full page means more may be waiting."""
+
 
 async def publish_trained(bus: Bus, step: int) -> str:
     """Announce that step ``step``'s weights are written (trainer)."""
@@ -45,7 +48,7 @@ class PolicyTracker:
         """
         seen = False
         while True:
-            events = await self.bus.read_fanout(self.bus.keys.policy(), self._last_id, count=1000, block_ms=block_ms)
+            events = await self.bus.read_fanout(self.bus.keys.policy(), self._last_id, count=_PAGE, block_ms=block_ms)
             for entry_id, event in events:
                 self._last_id = entry_id
                 if not isinstance(event, PolicyVersion):
@@ -55,7 +58,7 @@ class PolicyTracker:
                 else:
                     self.served_by[event.server] = event.step
             seen = seen or bool(events)
-            if len(events) < 1000:
+            if len(events) < _PAGE:
                 return seen
             block_ms = None
 

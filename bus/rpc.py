@@ -94,7 +94,7 @@ class RpcServer:
             frames = await self._socket.recv_multipart()
             if len(frames) != 4:
                 continue  # not an rlbus RPC client; nothing to answer
-            task = asyncio.ensure_future(self._answer(frames[0], frames[1], frames[2], frames[3]))
+            task = asyncio.ensure_future(self._answer(*frames))
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
 

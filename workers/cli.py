@@ -10,7 +10,6 @@ import sys
 
 from bus.errors import ConfigError, RedisNotInstalledError
 from bus.log import configure_logging
-from workers.config import LogConfig
 from workers.config_loader import dump_json, load_config, split_argv
 
 ROLES: dict[str, tuple[str, str]] = {
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if dry_run:
         print(dump_json(config))
         return 0
-    configure_logging(config.log if config is not None else LogConfig())
+    configure_logging(config.log if config is not None else None)
     try:
         return int(load_role(role)(config, role_args) or 0)
     except (ConfigError, RedisNotInstalledError) as e:
