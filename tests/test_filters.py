@@ -6,7 +6,14 @@ import numpy as np
 
 from bus.messages import Sample
 from workers.config import GibberishFilterConfig, RepetitionFilterConfig, ZeroAdvantageFilterConfig
-from workers.filters import apply_filters, is_gibberish, is_repetitive, is_zero_advantage, longest_run
+from workers.filters import (
+    active_filters,
+    apply_filters,
+    is_gibberish,
+    is_repetitive,
+    is_zero_advantage,
+    longest_run,
+)
 
 VOCAB = 150_000
 UNIFORM = -math.log(VOCAB)
@@ -68,3 +75,9 @@ def test_monitor_only_annotates_and_counts_enforce_drops():
         "filter/zero_advantage/dropped": 1.0,
         "filter/zero_advantage/flagged": 1.0,
     }
+
+
+def test_zero_advantage_applies_to_rl_groups_only():
+    filters = [ZeroAdvantageFilterConfig(enforce=True), RepetitionFilterConfig()]
+    assert active_filters(filters, "rl") == filters
+    assert active_filters(filters, "sft") == active_filters(filters, "opd") == [filters[1]]

@@ -84,11 +84,18 @@ class EnvCursor:
     position: int = 0
     stored: str | None = None
     """The cursor value last read from / written to Redis (the commit guard)."""
-    _orders: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _order: tuple[int, list[int]] | None = field(default=None, repr=False)
+    """(epoch, that epoch's example order), computed once per epoch."""
 
     @property
     def issued(self) -> int:
         return self.epoch * self.size + self.position
+
+    def example_index(self, seed: int, shuffle: bool) -> int:
+        """The example at the current position of the current epoch."""
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, epoch_order(self.size, seed, self.name, self.epoch, shuffle))
+        return self._order[1][self.position]
 
     def advance(self) -> tuple[int, int]:
         """(position, epoch) after issuing the current position."""
@@ -193,11 +200,7 @@ class FeederWorker:
         return False
 
     async def _issue(self, c: EnvCursor) -> None:
-        order = c._orders.get(c.epoch)
-        if order is None:
-            c._orders = {c.epoch: epoch_order(c.size, self.config.run.seed, c.name, c.epoch, self.config.feeder.shuffle)}
-            order = c._orders[c.epoch]
-        index = order[c.position]
+        index = c.example_index(self.config.run.seed, self.config.feeder.shuffle)
         task = Task(task_id=f"{c.name}:{c.epoch}:{c.position}", env=c.name, example_index=index,
                     example_id=str(index), epoch=c.epoch, group_size=c.group_size, mode=c.mode)
         position, epoch = c.advance()

@@ -28,7 +28,7 @@ from bus.streams import Bus, Entry
 from workers.advantages import assign_advantages, zero_variance
 from workers.config import RlbusConfig
 from workers.feeder import INFLIGHT_FIELD, release_inflight
-from workers.filters import FilterCounts, apply_filters
+from workers.filters import FilterCounts, active_filters, apply_filters
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 
 STREAK_FIELD = "zero_variance_streak"
@@ -132,7 +132,7 @@ class FilterWorker:
         """Advantages + filters for each entry, then one atomic commit of everything."""
         keys = self.bus.keys
         acks, outputs, counts = [], [], FilterCounts()
-        finished, dropped, dropped_groups, rewards, streak = 0, 0, 0, [], _Streak()
+        dropped, dropped_groups, rewards, streak = 0, 0, [], _Streak()
         for entry in entries:
             group = entry.message
             if not isinstance(group, RolloutGroup):
@@ -144,12 +144,12 @@ class FilterWorker:
             if group.eval_step is not None:
                 self.log.warning("eval_group_skipped", stream=entry.stream, task_id=group.task_id)
                 continue
-            finished += len(group.samples)
-            rewards += [s.reward for s in group.samples]
+            group_rewards = [s.reward for s in group.samples]
+            rewards += group_rewards
             kept, group_counts = self.filter_group(group)
             counts.add(group_counts)
             if group.mode == "rl" and len(group.samples) >= 2:
-                streak.add(zero_variance([s.reward for s in group.samples]))
+                streak.add(zero_variance(group_rewards))
             dropped += len(group.samples) - len(kept)
             if kept:
                 outputs.append((keys.filtered(group.env), group.model_copy(update={"samples": kept})))
@@ -159,7 +159,7 @@ class FilterWorker:
             return
         values = counts.metrics("filter") | {
             "filter/groups": float(len(outputs)),
-            "filter/samples": float(finished),
+            "filter/samples": float(len(rewards)),
             "filter/groups_dropped": float(dropped_groups),
         }
         if rewards:
@@ -178,18 +178,16 @@ class FilterWorker:
             "groups_filtered",
             groups=len(acks),
             forwarded=len(outputs) - 1,
-            samples=finished,
+            samples=len(rewards),
             dropped=dropped,
         )
 
     def filter_group(self, group: RolloutGroup) -> tuple[list, FilterCounts]:
         """Advantages (rl groups) then the pre-batch filters; returns the kept samples and the counts."""
-        filters = self.config.filter.pre_batch_filters
         if group.mode == "rl":
             max_tokens = self.max_completion_tokens.get(group.env)
             assign_advantages(group.samples, self.config.filter.advantage, max_tokens)
-        else:
-            filters = [f for f in filters if f.type != "zero_advantage"]
+        filters = active_filters(self.config.filter.pre_batch_filters, group.mode)
         return apply_filters(group.samples, filters, self.vocab_size)
 
     async def _check_collapse(self) -> None:

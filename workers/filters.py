@@ -86,6 +86,13 @@ class FilterCounts:
         return out
 
 
+def active_filters(filters: list[FilterConfig], mode: str) -> list[FilterConfig]:
+    """The filters that apply to a group of ``mode``: zero_advantage only to rl groups (others have no advantage)."""
+    if mode == "rl":
+        return filters
+    return [f for f in filters if f.type != "zero_advantage"]
+
+
 def apply_filters(
     samples: list[Sample], filters: list[FilterConfig], vocab_size: int
 ) -> tuple[list[Sample], FilterCounts]:

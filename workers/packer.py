@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from bus.errors import ConfigError, DecodeError
 from bus.keys import GROUP_PACKER
 from bus.log import configure_logging, get_logger
-from bus.messages import Metric, RolloutGroup, decode
+from bus.messages import Metric, Mode, RolloutGroup, Sample, decode
 from bus.policy import PolicyTracker
 from bus.streams import Bus, CommitConflict, Entry
 from workers.config import RlbusConfig
 from workers.feeder import INFLIGHT_FIELD, release_inflight
 from workers.filter import model_vocab_size
-from workers.filters import FilterCounts, apply_filters
+from workers.filters import FilterCounts, active_filters, apply_filters
 from workers.lifecycle import connect_bus, run_worker
 from workers.packing import pack_step
 
@@ -226,7 +226,7 @@ class PackerWorker:
     async def _release_stale(self, step: int) -> None:
         """Ack the stale groups, report them for ``step`` and release their in-flight samples, in one commit."""
         stale = self.stale
-        samples = sum(len(h.group.samples) for h in stale)
+        samples = _samples(stale)
         acks = [(h.entry.stream, GROUP_PACKER, h.entry.id) for h in stale]
         metric = Metric(source="packer", step=step, values={"packer/stale_groups": float(len(stale))})
         state = self.bus.keys.state()
@@ -239,7 +239,7 @@ class PackerWorker:
 
     async def _pipeline_full(self) -> bool:
         """True when the feeder cannot issue another group and every in-flight sample is held here."""
-        held = sum(len(h.group.samples) for h in self.held)
+        held = _samples(self.held)
         if not held or self._replay:
             return False
         inflight = int(await self.bus.state_get(INFLIGHT_FIELD) or 0)
@@ -248,7 +248,7 @@ class PackerWorker:
     def _ready(self) -> bool:
         if self.cfg.token_batch_size is not None:
             return sum(h.tokens for h in self.held) >= self.cfg.token_batch_size
-        return sum(len(h.group.samples) for h in self.held) >= self.config.batch_size()
+        return _samples(self.held) >= self.config.batch_size()
 
     def _take(self) -> list[Held]:
         """The groups of the next step, in read order (whole groups)."""
@@ -278,20 +278,10 @@ class PackerWorker:
     async def build(self, step: int) -> None:
         """Assemble, filter, pack and commit step ``step``."""
         if not self._ready():
-            held = sum(len(h.group.samples) for h in self.held)
-            self.log.info("partial_step", step=step, samples=held, max_inflight=self.max_inflight,
+            self.log.info("partial_step", step=step, samples=_samples(self.held), max_inflight=self.max_inflight,
                           hint="feeder.max_inflight_rollouts is reached and every in-flight sample is here")
         taken = self._take()
-        samples, modes, rewards, counts = [], [], [], FilterCounts()
-        filters = self.cfg.post_batch_filters
-        for held in taken:
-            group = held.group
-            rewards += [s.reward for s in group.samples]
-            active = filters if group.mode == "rl" else [f for f in filters if f.type != "zero_advantage"]
-            kept, c = apply_filters(group.samples, active, self.vocab_size)
-            counts.add(c)
-            samples += kept
-            modes += [group.mode] * len(kept)
+        samples, modes, rewards, counts = self._filter(taken)
         batches, stats = pack_step(
             samples, modes, step=step, seq_len=self.cfg.seq_len, dp_size=self.config.trainer.nproc
         )
@@ -304,13 +294,13 @@ class PackerWorker:
             "packer/micro_batches": float(stats.micro_batches),
             "packer/padding_micro_batches": float(stats.padding_micro_batches),
             "packer/efficiency": stats.efficiency,
-            "packer/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "packer/reward_mean": _mean(rewards),
             "packer/steps_off_policy": _mean([step - 1 - s.policy_version_start for s in samples]),
         }
         outputs = [(self.bus.keys.batches(step), mb) for mb in batches]
         outputs.append((self.bus.keys.metrics(), Metric(source="packer", step=step, values=values)))
         acks = [(h.entry.stream, GROUP_PACKER, h.entry.id) for h in taken]
-        released = sum(len(h.group.samples) for h in taken)
+        released = _samples(taken)
         if os.environ.get(PAUSE_ENV):
             self.log.warning("packer_commit_paused", step=step, pause_s=float(os.environ[PAUSE_ENV]))
             await asyncio.sleep(float(os.environ[PAUSE_ENV]))
@@ -327,6 +317,19 @@ class PackerWorker:
             efficiency=round(stats.efficiency, 4),
             truncated=stats.truncated,
         )
+
+    def _filter(self, taken: list[Held]) -> tuple[list[Sample], list[Mode], list[float], FilterCounts]:
+        """The post-batch filters over the taken groups: kept samples, their modes, every reward, the counts."""
+        samples, modes, rewards, counts = [], [], [], FilterCounts()
+        for held in taken:
+            group = held.group
+            rewards += [s.reward for s in group.samples]
+            filters = active_filters(self.cfg.post_batch_filters, group.mode)
+            kept, group_counts = apply_filters(group.samples, filters, self.vocab_size)
+            counts.add(group_counts)
+            samples += kept
+            modes += [group.mode] * len(kept)
+        return samples, modes, rewards, counts
 
     async def _commit(self, step: int, acks: list, outputs: list, released: int) -> bool:
         """The guarded commit (``released``: in-flight samples it ends); False when another packer built the step."""
@@ -362,7 +365,12 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _mean(values: list[int]) -> float:
+def _samples(held: list[Held]) -> int:
+    """How many samples the held groups carry."""
+    return sum(len(h.group.samples) for h in held)
+
+
+def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 

@@ -22,14 +22,15 @@ import argparse
 import asyncio
 import time
 
+from bus.errors import ConfigError
 from bus.keys import GROUP_ROLLOUT
 from bus.log import configure_logging, get_logger
-from bus.messages import DeadLetter, Metric, RolloutGroup, Task
+from bus.messages import Metric, RolloutGroup, Task
 from bus.policy import PolicyTracker
 from bus.streams import Bus, Entry
 from workers.config import EnvConfig, EvalEnvConfig, RlbusConfig, SamplingConfig
 from workers.episode import ChatTokens, GroupRunner
-from workers.feeder import INFLIGHT_FIELD, release_inflight
+from workers.feeder import release_inflight
 from workers.gate import StalenessGate
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 
@@ -93,8 +94,6 @@ class RolloutWorker:
         self.log.info("rollout_ready", envs=list(self.envs), max_concurrent_groups=cfg.rollout.max_concurrent_groups)
 
     def _client(self, cls, base_urls: list[str], name: str):
-        from bus.errors import ConfigError
-
         if not base_urls:
             raise ConfigError(f"{name} is empty; list the servers (http://HOST:PORT/v1) or let `rlbus run` start them")
         inf = self.config.inference
@@ -201,7 +200,7 @@ class RolloutWorker:
                 return
             try:
                 runner = self.sft_runner if task.mode == "sft" else self.runner
-                samples, timings = await runner.run(task, self.handles[task.env], self._sampling(env, task),
+                samples, timings = await runner.run(task, self.handles[task.env], self._sampling(env),
                                                     env.max_turns)
                 break
             except Exception as e:  # the one boundary: retry, then dead-letter
@@ -225,7 +224,7 @@ class RolloutWorker:
         log.info("group_done", reward=round(group.reward, 4), tokens=group.tokens, policy_version=group.policy_version,
                  total_s=round(timings["total_s"], 3))
 
-    def _sampling(self, env: EnvConfig, task: Task) -> SamplingConfig:
+    def _sampling(self, env: EnvConfig) -> SamplingConfig:
         if isinstance(env, EvalEnvConfig):
             return self.config.eval_sampling(env)
         return self.config.env_sampling(env)
@@ -236,16 +235,8 @@ class RolloutWorker:
 
     async def _dead_letter(self, entry: Entry, task: Task, reason: str) -> None:
         """Dead-letter the task with its error and release its in-flight samples, in one MULTI."""
-        letter = DeadLetter(stream=entry.stream, entry_id=entry.id, reason=reason, worker=self.worker,
-                            deliveries=entry.deliveries,
-                            fields={(k.decode() if isinstance(k, bytes) else k): v for k, v in entry.fields.items()})
-        state = self.bus.keys.state()
-
-        def release(pipe) -> None:
-            if task.eval_step is None:
-                pipe.hincrby(state, INFLIGHT_FIELD, -task.group_size)
-
-        await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)], [(self.bus.keys.dead(), letter)], extra=release)
+        release = release_inflight(self.bus.keys.state())
+        await self.bus.dead_letter(entry, reason=reason, group=GROUP_ROLLOUT, extra=lambda pipe: release(entry, pipe))
         self.log.error("task_dead_lettered", task_id=task.task_id, env=task.env, reason=reason)
 
     async def close(self) -> None:
