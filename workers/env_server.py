@@ -17,11 +17,9 @@ server that dies is started again and the interrupted call retried once; ``close
 
 import argparse
 import asyncio
-import ctypes
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from typing import Any
@@ -32,6 +30,7 @@ from bus.rpc import RpcClient, RpcServer
 from workers.config import EnvConfig, RlbusConfig
 from workers.envs.base import Environment
 from workers.envs.registry import load_env
+from workers.supervisor import die_with_parent
 
 
 def build_env(env_config: EnvConfig) -> Environment:
@@ -108,11 +107,6 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
                           "or set address in its [[env]]")
     server = EnvServer(build_env(env_config), address, env_config.resolved_name)
     return asyncio.run(run_worker(server))
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies, so no env server outlives its owner."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class _ServerExited(Exception):
@@ -233,7 +227,7 @@ class EnvHandle:
         argv = [sys.executable, "-m", "workers.cli", "env", "--id", cfg.id, "--name", self.name,
                 "--args", json.dumps(cfg.args), "--max-turns", str(cfg.max_turns), "--bind", self.address]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        preexec = die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None  # no env server outlives its owner
         self._process = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                              preexec_fn=preexec)
         self._exited = asyncio.ensure_future(self._process.wait())

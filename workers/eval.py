@@ -112,8 +112,6 @@ class EvalCoordinator:
         self.envs: dict[str, EvalEnvConfig] = {e.resolved_name: e for e in config.eval.env}
         self.indices = {name: self._indices(env, sizes[name]) for name, env in self.envs.items()}
         self.pending: dict[tuple[str, int], _Pending] = {}
-        self.results: dict[int, dict[str, float]] = {}
-        """Eval step → metrics of the evals finished by this coordinator (all envs merged)."""
         self.finished: set[tuple[str, int]] = set()
         self.consumer = "eval"
         self.log = get_logger(worker="eval", run=config.run.name)
@@ -211,7 +209,6 @@ class EvalCoordinator:
         done = DONE_FIELD.format(env=env)
         await self.bus.commit(acks, [(self.bus.keys.metrics(), Metric(source="eval", step=step, values=values))],
                               extra=lambda pipe: pipe.hset(self.bus.keys.state(), done, step))
-        self.results.setdefault(step, {}).update(values)
         self.finished.add((env, step))
         await self.update_hold()
         self.log.info("eval_finished", env=env, step=step, reward=round(values[f"eval/{env}/reward"], 4))

@@ -124,3 +124,26 @@ def write_report(rows: list[Row], output_dir: Path, title: str = "") -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def summary_text(summary: dict[str, Any], output_dir: Path) -> str:
+    """The summary as the few lines ``rlbus run`` prints at the end."""
+    r, g = summary["reward"], summary["groups"]
+    fmt = lambda p: "—" if p is None else f"{p['reward']:.3f} (step {p['step']})"  # noqa: E731
+    lines = [
+        f"run {summary['run']}: {summary['steps_trained']} steps in {summary['wall_s']:.0f}s ({summary['stopped_because']})",
+        f"  train reward  first {fmt(r['first'])}  last {fmt(r['last'])}  best {fmt(r['best'])}",
+    ]
+    for step, values in summary["eval"].items():
+        shown = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in values.items()
+                          if k.endswith("/reward") or "/pass@" in k)
+        lines.append(f"  eval @ step {step}: {shown}")
+    lines.append(
+        f"  groups: produced {g['produced']} = trained {g['trained']} + filtered {g['filtered']} + stale {g['stale']}"
+        f" + dead-lettered {g['dead_lettered']} + in flight {g['in_flight']}"
+        + (f" (unaccounted {g['unaccounted']})" if g["unaccounted"] else "")
+    )
+    restarts = {k: v for k, v in summary["restarts"].items() if v}
+    lines.append(f"  restarts: {restarts or 'none'}")
+    lines.append(f"  files: {output_dir / 'summary.json'}, {output_dir / 'metrics.jsonl'}, {output_dir / 'report.png'}")
+    return "\n".join(lines)

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from bus.errors import ConfigError, RlbusError
-from bus.keys import GROUP_FILTER, GROUP_PACKER
 from bus.local_redis import free_port
 from bus.log import get_logger
 from bus.messages import Metric
 from bus.streams import Bus
+from workers.accounting import group_counts
 from workers.config import RlbusConfig
 from workers.filter import STOP_REASON_FIELD
 from workers.supervisor import ChildSpec, Supervisor
@@ -149,6 +149,8 @@ class RunSession:
         self.stopped_because = "stopped"
         self.fatal: str | None = None
         self.started = time.monotonic()
+        self.metrics_last_id = "0"
+        """The last metrics entry copied to metrics.jsonl."""
         self.tty = sys.stdout.isatty()
 
     # Events from the supervisor: shown in the status panel (or printed).
@@ -333,7 +335,7 @@ class RunSession:
         probe = RunProbe(self.config, bus)
         writer = MetricsWriter(self.output_dir, self.config.run.name, self.config.wandb,
                                self.config.model_dump(mode="json"))
-        tasks = [asyncio.create_task(self._read_metrics(bus, writer, probe))]
+        tasks = [asyncio.create_task(self._follow_metrics(bus, writer, probe))]
         if evaluator is not None:
             tasks.append(asyncio.create_task(self._run_eval(evaluator)))
         try:
@@ -344,7 +346,8 @@ class RunSession:
             await asyncio.gather(*tasks, return_exceptions=True)
         if not self.attach:
             await asyncio.to_thread(self.sup.stop_all, self.grace_s, 1)  # workers; redis (stop_order 2) stays up
-        await self._drain_metrics(bus, writer, probe)
+        while await self._read_metrics(bus, writer, probe, block_ms=None):  # what came in before the workers stopped
+            pass
         writer.close()
         return await self.finish(bus, probe, writer.rows)
 
@@ -389,26 +392,18 @@ class RunSession:
             if live is not None:
                 live.stop()
 
-    async def _read_metrics(self, bus: Bus, writer, probe) -> None:
-        last_id = "0"
+    async def _follow_metrics(self, bus: Bus, writer, probe) -> None:
         while True:
-            for entry_id, message in await bus.read_fanout(bus.keys.metrics(), last_id, count=500, block_ms=1000):
-                last_id = entry_id
-                if isinstance(message, Metric):
-                    probe.observe(writer.write(entry_id, message))
-            self._metrics_last_id = last_id
+            await self._read_metrics(bus, writer, probe, block_ms=1000)
 
-    async def _drain_metrics(self, bus: Bus, writer, probe) -> None:
-        last_id = getattr(self, "_metrics_last_id", "0")
-        seen = {row["id"] for row in writer.rows[-1000:]}
-        while True:
-            entries = await bus.read_fanout(bus.keys.metrics(), last_id, count=500)
-            if not entries:
-                return
-            for entry_id, message in entries:
-                last_id = entry_id
-                if isinstance(message, Metric) and entry_id not in seen:
-                    probe.observe(writer.write(entry_id, message))
+    async def _read_metrics(self, bus: Bus, writer, probe, block_ms: int | None) -> int:
+        """Copy the metrics entries after ``metrics_last_id`` to the writer and the probe; returns how many."""
+        entries = await bus.read_fanout(bus.keys.metrics(), self.metrics_last_id, count=500, block_ms=block_ms)
+        for entry_id, message in entries:
+            if isinstance(message, Metric):
+                probe.observe(writer.write(entry_id, message))
+            self.metrics_last_id = entry_id  # with the write: a cancelled reader never leaves a row to repeat
+        return len(entries)
 
     async def _run_eval(self, evaluator) -> None:
         while True:
@@ -416,7 +411,7 @@ class RunSession:
             await evaluator.collect(block_ms=500)
 
     async def finish(self, bus: Bus, probe, rows: list[dict]) -> int:
-        from workers.report import build_summary, write_report, write_summary
+        from workers.report import build_summary, summary_text, write_report, write_summary
 
         snap = await probe.snapshot()
         summary = build_summary(
@@ -438,115 +433,11 @@ class RunSession:
         return 0
 
 
-async def group_counts(bus: Bus, config: RlbusConfig, rows: list[dict], trained: int) -> dict[str, int]:
-    """The run's group accounting: produced = trained + filtered + stale + dead-lettered + in flight.
-
-    Each term is counted on its own (the streams, the packer's and filter's metrics, the dead
-    letters), so ``unaccounted`` (produced minus the rest) is a real check and should be 0.
-    """
-    packed: dict[int, float] = {}
-    stale = filtered = 0.0
-    for row in rows:
-        if row["source"] == "packer" and row.get("step") is not None:
-            packed[int(row["step"])] = float(row.get("packer/groups", 0.0))
-            stale += float(row.get("packer/stale_groups", 0.0))
-        filtered += float(row.get("filter/groups_dropped", 0.0))
-    trained_groups = sum(v for s, v in packed.items() if s <= trained)
-    in_batches = sum(v for s, v in packed.items() if s > trained)
-    produced = waiting = 0
-    for env in config.env:
-        stream = bus.keys.rollouts(env.resolved_name)
-        produced += await _count_training(bus, stream, "-")
-        waiting += await _unconsumed(bus, stream, GROUP_FILTER)
-        waiting += await _unconsumed(bus, bus.keys.filtered(env.resolved_name), GROUP_PACKER)
-    dead = await dead_groups(bus)
-    counts = {"produced": produced, "trained": int(trained_groups), "filtered": int(filtered), "stale": int(stale),
-              "dead_lettered": dead, "in_flight": int(waiting + in_batches)}
-    counts["unaccounted"] = produced - sum(v for k, v in counts.items() if k != "produced")
-    return counts
-
-
-async def _count_training(bus: Bus, stream: str, start: str, ids: set[str] | None = None) -> int:
-    """Non-eval entries of ``stream`` from ``start`` (exclusive when prefixed with '('), or only ``ids``."""
-    count = 0
-    while True:
-        rows = await bus.redis.xrange(stream, min=start, count=500)
-        for raw_id, fields in rows:
-            if (ids is None or raw_id.decode() in ids) and b"eval_step" not in fields:
-                count += 1
-        if len(rows) < 500:
-            return count
-        start = "(" + rows[-1][0].decode()
-
-
-async def _unconsumed(bus: Bus, stream: str, group: str) -> int:
-    """Non-eval entries of ``stream`` that ``group`` has not acked: pending plus not yet delivered."""
-    if not await bus.redis.exists(stream):
-        return 0
-    info = {(g["name"].decode() if isinstance(g["name"], bytes) else g["name"]): g
-            for g in await bus.redis.xinfo_groups(stream)}
-    if group not in info:
-        return await _count_training(bus, stream, "-")
-    last = info[group]["last-delivered-id"]
-    last = last.decode() if isinstance(last, bytes) else last
-    pending = await bus.redis.xpending_range(stream, group, min="-", max="+", count=100_000)
-    ids = {(p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"]) for p in pending}
-    undelivered = await _count_training(bus, stream, "(" + last)
-    return undelivered + (await _count_training(bus, stream, "-", ids) if ids else 0)
-
-
-async def dead_groups(bus: Bus) -> int:
-    """Training groups dead-lettered from ``rollouts:*`` or ``filtered:*`` (eval groups excluded)."""
-    count, start = 0, "-"
-    while True:
-        rows = await bus.redis.xrange(bus.keys.dead(), min=start, count=500)
-        for _, fields in rows:
-            stream = fields.get(b"stream", b"").decode()
-            family = bus.keys.family(stream) if stream.startswith(bus.keys.prefix) else ""
-            if family in ("rollouts", "filtered") and "eval_step" not in _original_fields(fields):
-                count += 1
-        if len(rows) < 500:
-            return count
-        start = "(" + rows[-1][0].decode()
-
-
-def _original_fields(fields: dict) -> dict:
-    from bus.errors import DecodeError
-    from bus.messages import DeadLetter
-
-    try:
-        return DeadLetter.from_fields(fields).fields
-    except DecodeError:
-        return {}
-
-
 def eval_sizes(config: RlbusConfig) -> dict[str, int]:
     """Examples in each eval env's dataset (built in-process: envs are plain Python)."""
     from workers.envs.registry import load_env
 
     return {env.resolved_name: len(load_env(env.id, env.args)) for env in config.eval.env}
-
-
-def summary_text(summary: dict[str, Any], output_dir: Path) -> str:
-    r, g = summary["reward"], summary["groups"]
-    fmt = lambda p: "—" if p is None else f"{p['reward']:.3f} (step {p['step']})"  # noqa: E731
-    lines = [
-        f"run {summary['run']}: {summary['steps_trained']} steps in {summary['wall_s']:.0f}s ({summary['stopped_because']})",
-        f"  train reward  first {fmt(r['first'])}  last {fmt(r['last'])}  best {fmt(r['best'])}",
-    ]
-    for step, values in summary["eval"].items():
-        shown = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in values.items()
-                          if k.endswith("/reward") or "/pass@" in k)
-        lines.append(f"  eval @ step {step}: {shown}")
-    lines.append(
-        f"  groups: produced {g['produced']} = trained {g['trained']} + filtered {g['filtered']} + stale {g['stale']}"
-        f" + dead-lettered {g['dead_lettered']} + in flight {g['in_flight']}"
-        + (f" (unaccounted {g['unaccounted']})" if g["unaccounted"] else "")
-    )
-    restarts = {k: v for k, v in summary["restarts"].items() if v}
-    lines.append(f"  restarts: {restarts or 'none'}")
-    lines.append(f"  files: {output_dir / 'summary.json'}, {output_dir / 'metrics.jsonl'}, {output_dir / 'report.png'}")
-    return "\n".join(lines)
 
 
 def _tail(path: Path | str, lines: int = 20) -> str:
@@ -560,7 +451,8 @@ def _redis_ready(url: str) -> bool:
     import redis
 
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
+        with redis.Redis.from_url(url, socket_connect_timeout=0.5) as client:
+            return bool(client.ping())
     except redis.RedisError:
         return False
 

@@ -35,8 +35,6 @@ class ChildSpec:
     """Command line."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables."""
-    restart: bool = True
-    """Restart the child when it fails."""
     stop_order: int = 0
     """Children with a higher value are stopped later (redis last)."""
 
@@ -62,8 +60,8 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
 
-def _set_pdeathsig(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: SIGTERM this child when the supervisor dies; exit at once if it already has."""
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """preexec_fn: SIGTERM this child when ``parent_pid`` (the process spawning it) dies; exit at once if it already has."""
 
     def preexec() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -117,7 +115,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 env=env,
                 process_group=0,
-                preexec_fn=_set_pdeathsig(os.getpid()),
+                preexec_fn=die_with_parent(os.getpid()),
             )
         child.started_at = time.monotonic()
         child.restart_at = None
@@ -137,7 +135,7 @@ class Supervisor:
         code = child.proc.returncode
         child.exit_code = code
         info = {"name": child.spec.name, "exit_code": code, "log": str(self.log_path(child.spec.name))}
-        if self.stopping or code == 0 or not child.spec.restart:
+        if self.stopping or code == 0:
             child.done = True
             self.on_event("child_exited", info)
             return

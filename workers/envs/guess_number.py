@@ -17,7 +17,7 @@ the conversation alone, so a retried ``score`` call gives the same answer.
 import random
 import re
 
-from workers.envs.base import Environment, Example, Message, RewardFunc, Rubric, State, replies
+from workers.envs.base import Environment, Example, Message, RewardFunc, Rubric, State, last_reply, replies
 
 INTEGER = re.compile(r"-?\d+")
 
@@ -48,7 +48,7 @@ class GuessNumber(Environment):
         return [{"role": "system", "content": system}, {"role": "user", "content": "Your guess?"}]
 
     def respond(self, example: Example, messages: list[Message], state: State) -> tuple[list[Message], bool, State]:
-        guess = parse_guess(replies(messages)[-1] if replies(messages) else "")
+        guess = parse_guess(last_reply(messages))
         secret = example["secret"]
         if guess == secret:
             return [], True, state
