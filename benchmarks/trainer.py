@@ -26,7 +26,7 @@ from trainer.logprobs import PolicyModel  # noqa: E402
 from trainer.losses import dppo_loss  # noqa: E402
 from trainer.model import count_parameters  # noqa: E402
 from trainer.optim import build_optimizer, build_scheduler  # noqa: E402
-from trainer.step import Batch, peak_flops, train_step  # noqa: E402
+from trainer.step import Batch, peak_flops, train_flops, train_step  # noqa: E402
 
 # Only torch/transformers/safetensors are needed (no pydantic/msgpack): the GPU box has nothing else.
 TRAINER_CFG = SimpleNamespace(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0, schedule="constant",
@@ -107,8 +107,7 @@ def run_bare(args, device, dtype, d) -> tuple[float, float, float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    result = timed(step, args, device)
-    return result
+    return timed(step, args, device)
 
 
 def run_trainer(args, device, dtype, d) -> tuple[float, float, float]:
@@ -127,8 +126,7 @@ def run_trainer(args, device, dtype, d) -> tuple[float, float, float]:
         train_step(policy, opt, sched, batches, loss_fns=fns, ctx=DistContext(), step=1, max_grad_norm=1.0,
                    n_params=n_params, forward_batch=args.forward_batch)
 
-    result = timed(step, args, device)
-    return result
+    return timed(step, args, device)
 
 
 def timed(step, args, device) -> tuple[float, float, float]:
@@ -178,19 +176,16 @@ def main() -> None:
     print(f"preset={args.preset} device={device} dtype={dtype} tokens/step={args.batch}x{args.seq_len} "
           f"sample_len={args.sample_len} compile={args.compile} steps={args.steps} warmup={args.warmup} forward_batch={args.forward_batch}", flush=True)
     results = {}
+    flops = peak_flops(device)
+    meta = PolicyModel(build(args.preset, "meta", dtype)) if flops else None
     for name, fn in (("trainer", run_trainer), ("bare", run_bare)):
         if args.only and args.only != name:
             continue
         tps, peak, first = fn(args, device, dtype, d)
         results[name] = tps
         line = f"{name:8s} {tps:10.0f} tokens/s  peak {peak:6.2f} GiB  first step {first:6.1f} s"
-        flops = peak_flops(device)
-        if flops:
-            model = build(args.preset, "meta", dtype)
-            n = count_parameters(model)
-            cfg = model.config
-            per_tok = 6 * n + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * args.sample_len
-            line += f"  MFU {tps * per_tok / flops:5.1%}"
+        if flops:  # one second's tokens, in samples of sample_len: Σ len² = tokens · sample_len
+            line += f"  MFU {train_flops(meta, count_parameters(meta.lm), tps, tps * args.sample_len) / flops:5.1%}"
         print(line, flush=True)
     if len(results) == 2:
         print(f"trainer/bare ratio: {results['trainer'] / results['bare']:.3f}")

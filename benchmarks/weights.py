@@ -61,7 +61,6 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: /dev/shm when present, else a temp dir)")
     parser.add_argument("--max-shard-mb", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="accepted for symmetry with benchmarks/trainer.py (no effect)")
     args = parser.parse_args()
     gpu = args.device == "cuda"
     args.preset = args.preset or ("qwen3-0.6b" if gpu else "small")
@@ -84,16 +83,15 @@ def main() -> None:
             if i:
                 rows["trainer"].append(t)
                 rows["bare"].append(b)
+        totals = {}
         for name, runs in rows.items():
             best = {k: min(r[k] for r in runs) for k in runs[0]}
-            total = sum(best.values())
+            totals[name] = total = sum(best.values())
             parts = "  ".join(f"{k} {v:7.3f} s" for k, v in best.items())
             print(f"{name:8s} {parts}  total {total:7.3f} s  ({nbytes / 2**30 / total:.2f} GiB/s)", flush=True)
         for a, b in zip(model.state_dict().values(), server.state_dict().values(), strict=True):
             assert torch.equal(a, b), "server weights differ from the trainer's after loading"
-        t_total = sum(min(r[k] for r in rows["trainer"]) for k in rows["trainer"][0])
-        b_total = sum(min(r[k] for r in rows["bare"]) for k in rows["bare"][0])
-        print(f"trainer/bare time ratio: {t_total / b_total:.3f}")
+        print(f"trainer/bare time ratio: {totals['trainer'] / totals['bare']:.3f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from bus.messages import MicroBatch
-from trainer.dist import DistContext, all_reduce_sum, set_grad_sync
+from trainer.dist import DistContext, all_reduce_max, all_reduce_sum, set_grad_sync
 from trainer.losses import LossFn, LossInputs, reduce_loss
 
 MODES = ("rl", "opd", "sft")
@@ -95,14 +95,12 @@ def train_step(
     start = time.perf_counter()
     device = next(policy.parameters()).device
     local = len(batches)
-    counts = torch.tensor([sum(float(b.loss_mask.sum()) for b in batches if b.mode == m) for m in MODES] + [local],
+    counts = torch.tensor([sum(float(b.loss_mask.sum()) for b in batches if b.mode == m) for m in MODES],
                           device=device, dtype=torch.float64)
-    all_reduce_sum(counts[:3], ctx)
-    max_local = torch.tensor([local], device=device)
-    if ctx.distributed:
-        torch.distributed.all_reduce(max_local, op=torch.distributed.ReduceOp.MAX)
+    all_reduce_sum(counts, ctx)
+    max_local = all_reduce_max(torch.tensor([local], device=device), ctx)
     batches = batches + [filler_batch(batches[0] if batches else None, device)] * (int(max_local) - local)
-    mode_tokens = dict(zip(MODES, counts[:3].tolist(), strict=True))
+    mode_tokens = dict(zip(MODES, counts.tolist(), strict=True))
     sums = torch.zeros(len(_SUMS), device=device, dtype=torch.float64)
     groups = [batches[i : i + forward_batch] for i in range(0, len(batches), forward_batch)]
     for i, group in enumerate(groups):

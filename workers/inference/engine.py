@@ -281,7 +281,9 @@ class Engine:
             k = seq.request.params.logprobs
             if k:
                 values, ids = torch.topk(full[i], k)
-                seq.tops = (seq.tops or []) + [list(zip(ids.tolist(), values.tolist(), strict=True))]
+                if seq.tops is None:
+                    seq.tops = []
+                seq.tops.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
             choice = self._finished(seq)
             if choice is not None:
                 done.append(offset + i)
@@ -295,6 +297,7 @@ class Engine:
         reason: str | None = None
         stop_reason: str | int | None = None
         text_end: int | None = None
+        text: str | None = None
         if count > p.min_tokens and token in p.stop_token_ids:
             reason, stop_reason = "stop", token
         elif count > p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
@@ -302,7 +305,7 @@ class Engine:
         elif p.stop and count > p.min_tokens:
             text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=True)
             start = max(0, seq.checked_text - max(len(s) for s in p.stop))
-            hits = [(text.find(s, start), s) for s in p.stop if text.find(s, start) >= 0]
+            hits = [(at, s) for s in p.stop if (at := text.find(s, start)) >= 0]
             seq.checked_text = len(text)
             if hits:
                 text_end, stop_reason = min(hits)
@@ -312,7 +315,8 @@ class Engine:
             reason = "length"
         if reason is None:
             return None
-        text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=True)
+        if text is None:
+            text = self.tokenizer.decode(seq.out_ids, skip_special_tokens=True)
         return Choice(seq.out_ids, seq.out_lps, seq.tops, text[:text_end] if text_end is not None else text,
                       reason, stop_reason)
 

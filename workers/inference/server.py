@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import signal
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -62,13 +63,13 @@ class InferenceServer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        from trainer.model import resolve_dtype
         from workers.inference.engine import Engine
 
         hf_logging.disable_progress_bar()
         cfg = self.config.inference
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = self.config.model.dtype
-        dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
+        dtype = resolve_dtype(self.config.model.dtype, torch.device(device))
         tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
         model = AutoModelForCausalLM.from_pretrained(self.config.model.path, dtype=dtype).to(device).eval()
         eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
@@ -76,11 +77,10 @@ class InferenceServer:
                       eos_token_ids={t for t in eos if t is not None})
 
     async def _setup_follower(self) -> None:
-        from bus.streams import Bus
         from workers.inference.weights_follower import WeightsFollower
+        from workers.lifecycle import connect_bus
 
-        self.bus = await Bus.connect(self.config.redis.url, self.config.run.name, self.config.redis,
-                                     worker=f"inference-{self.server_id}")
+        self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
         self.follower = WeightsFollower(self.bus, self.server_id, self._apply_weights,
                                         block_ms=self.config.redis.block_ms)
         await self.follower.start()
@@ -106,18 +106,7 @@ class InferenceServer:
         await asyncio.wrap_future(self.engine.call_between_steps(load))
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
-        tasks = [asyncio.create_task(self._stop.wait()), asyncio.create_task(self._watch_engine())]
-        if self.follower is not None:
-            tasks.append(asyncio.create_task(self.follower.run()))
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for task in done:
-            task.result()  # a dead follower or engine crashes the worker
+        await run_until_first(self._stop, self._watch_engine(), *([self.follower.run()] if self.follower else []))
 
     async def _watch_engine(self) -> None:
         while self.engine.alive:
@@ -193,6 +182,20 @@ class InferenceServer:
             return web.json_response(error_body(f"invalid JSON body: {e}", 400, self.engine.policy_version), status=400)
         except ApiError as e:
             return web.json_response(error_body(str(e), e.status, self.engine.policy_version), status=e.status)
+
+
+async def run_until_first(stop: asyncio.Event, *coros: Coroutine) -> None:
+    """Run ``coros`` until one ends or SIGTERM/SIGINT sets ``stop``; cancel the rest, re-raise an error of the first."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(stop.wait()), *(asyncio.create_task(c) for c in coros)]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task in done:
+        task.result()  # a dead follower, engine or child process crashes the worker
 
 
 def _as_list(value) -> list:

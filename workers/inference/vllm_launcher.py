@@ -16,7 +16,6 @@ not supported here.
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -146,25 +145,18 @@ class VllmServer:
             return True
 
     async def run(self) -> None:
-        from bus.streams import Bus
-        from workers.inference.weights_follower import WeightsFollower
+        from workers.inference.server import run_until_first
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
-        tasks = [asyncio.create_task(self._stop.wait()), asyncio.create_task(self._watch())]
-        if self.config.redis.url:
-            self.bus = await Bus.connect(self.config.redis.url, self.config.run.name, self.config.redis,
-                                         worker=f"inference-{self.server_id}")
-            follower = WeightsFollower(self.bus, self.server_id, self.reload, block_ms=self.config.redis.block_ms)
-            await follower.start()
-            tasks.append(asyncio.create_task(follower.run()))
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for task in done:
-            task.result()
+        await run_until_first(self._stop, self._watch(), *([self._follow()] if self.config.redis.url else []))
+
+    async def _follow(self) -> None:
+        from workers.inference.weights_follower import WeightsFollower
+        from workers.lifecycle import connect_bus
+
+        self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
+        follower = WeightsFollower(self.bus, self.server_id, self.reload, block_ms=self.config.redis.block_ms)
+        await follower.start()
+        await follower.run()
 
     async def _watch(self) -> None:
         while self.proc.poll() is None:
