@@ -4,12 +4,12 @@
 #
 #   bash benchmarks/gpu_check.sh
 #
-# The box lacks pydantic, pydantic-core, annotated-types, typing-inspection, structlog, redis and pyzmq (the tests
-# import them through tests/conftest.py; the benchmarks need only torch/transformers/safetensors). Their wheels
-# travel in the git-ignored .whl/, fetched beforehand (same versions as .venv) with
+# Where the machine lacks rlbus's dependencies (pydantic, pydantic-core, annotated-types, typing-inspection,
+# structlog, redis, pyzmq: the tests import them through tests/conftest.py; the benchmarks need only
+# torch/transformers/safetensors), their wheels can travel in the git-ignored .whl/, fetched beforehand with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VER
-# and are installed here into /tmp/site.
+# and are installed here into /tmp/site. Without .whl/ the script uses what the machine has installed.
 # Each step runs under `timeout`, and the whole script stays within BUDGET_S (default 510 s): a step gets
 # min(its own limit, what is left) and is skipped with fewer than 30 s left. Expected wall time ≈ 6 min.
 #
@@ -52,9 +52,11 @@ step() {
 
 if [[ "${CPU_DRY_RUN:-0}" == 1 ]]; then
     DEV=(--device cpu --preset tiny)
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
     DEV=(--device cuda --preset qwen3-0.6b)
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [[ "${CPU_DRY_RUN:-0}" != 1 ]] && compgen -G ".whl/*.whl" >/dev/null; then  # a box without the project's deps
     log "=== install wheels from .whl/ into /tmp/site"
     if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl 2>&1 | tee -a "$LOG"; then
@@ -64,7 +66,7 @@ else
                 "$whl" 2>&1 | tee -a "$LOG" || FAILED+=("install:$(basename "$whl")")
         done
     fi
-    export PYTHONPATH="/tmp/site:$PWD"
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 
 log "=== machine"
