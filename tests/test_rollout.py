@@ -3,7 +3,6 @@
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,11 @@ import pytest
 import redis
 
 from bus.keys import GROUP_ROLLOUT, Keys
+from bus.local_redis import free_port
 from bus.messages import DeadLetter, RolloutGroup, Task
 from workers.config_loader import load_config
 from workers.feeder import INFLIGHT_FIELD
 from workers.rollout import RolloutWorker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _toml(value) -> str:
@@ -46,7 +40,7 @@ class Stack:
     def __init__(self, tmp: Path, redis_url: str, model_dir: Path):
         self.tmp, self.redis_url, self.model_dir = tmp, redis_url, model_dir
         self.run = f"t-{uuid.uuid4().hex[:8]}"
-        self.port = _free_port()
+        self.port = free_port()
         self.keys = Keys(self.run)
         self.redis = redis.Redis.from_url(redis_url)
         self.procs: list[subprocess.Popen] = []

@@ -232,8 +232,8 @@ def _receive(fields, queue):
 
 
 def test_gloo_broadcast_reaches_a_receiver_in_another_process():
+    from bus.local_redis import free_port
     from trainer.broadcast import WeightBroadcaster
-    from trainer.dist import free_port
 
     state = tiny_lm(seed=4).state_dict()
     sender = WeightBroadcaster("127.0.0.1", free_port(), receivers=1, device=CPU, timeout_s=60)

@@ -111,7 +111,7 @@ def _follow_broadcast(redis_url, run, out_path):
 def test_nccl_transport_broadcasts_to_a_follower_over_gloo(tmp_path, redis_url, bus, run_name):
     import multiprocessing as mp
 
-    from trainer.dist import free_port
+    from bus.local_redis import free_port
 
     model_dir = save_tiny_model(tmp_path / "model")
     asyncio.run(publish_steps(bus, [1]))

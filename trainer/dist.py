@@ -6,7 +6,6 @@ FSDP averages gradients over ranks, so each rank scales its loss by ``W`` (see t
 """
 
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from bus.local_redis import free_port
 
 
 @dataclass
@@ -109,12 +110,6 @@ def broadcast_object(value: Any, ctx: DistContext) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(nproc: int, fn: Callable[..., Any], args: tuple) -> None:

@@ -12,6 +12,7 @@ import sys
 
 import redis
 
+from bus.errors import ConfigError
 from bus.keys import Keys
 from workers.config import RlbusConfig
 
@@ -51,7 +52,7 @@ def replay(client: redis.Redis, from_run: str, to_run: str, family: str, env: st
     """Copy run ``from_run``'s ``family`` streams into run ``to_run``; stream → entries copied."""
     src, dst = Keys(from_run), Keys(to_run)
     if src == dst:
-        raise ValueError(f"--from-run and --to-run are both {from_run!r}; replay into a new run name")
+        raise ConfigError(f"--from-run and --to-run are both {from_run!r}; replay into a new run name")
     return {s: copy_stream(client, src, dst, s, start, end) for s in source_streams(client, src, family, env)}
 
 
