@@ -53,12 +53,21 @@ def wait_exit(proc: subprocess.Popen, out: Path, timeout_s: float) -> int:
         pytest.fail(f"run did not finish in {timeout_s}s; its output:\n{stdout_of(out)[-4000:]}")
 
 
-def wait_step(proc: subprocess.Popen, out: Path, step: int, timeout_s: float = 120) -> None:
+def wait_until(proc: subprocess.Popen, out: Path, done, what: str, timeout_s: float) -> None:
+    """Poll ``done()`` until it holds; fail with the run's output if the run exits or time runs out first."""
     deadline = time.monotonic() + timeout_s
-    while trained_step(out) < step:
+    while not done():
         if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"run never reached step {step}; its output:\n{stdout_of(out)[-4000:]}")
+            pytest.fail(f"run never {what}; its output:\n{stdout_of(out)[-4000:]}")
         time.sleep(0.2)
+
+
+def wait_output(proc: subprocess.Popen, out: Path, pattern: str, timeout_s: float) -> None:
+    wait_until(proc, out, lambda: re.search(pattern, stdout_of(out), flags=re.M), f"printed {pattern!r}", timeout_s)
+
+
+def wait_step(proc: subprocess.Popen, out: Path, step: int, timeout_s: float = 120) -> None:
+    wait_until(proc, out, lambda: trained_step(out) >= step, f"reached step {step}", timeout_s)
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -134,7 +143,7 @@ def test_a_few_steps_end_to_end(tmp_path, tiny_model_dir):
 @pytest.mark.timeout(420)
 def test_kill_9_of_each_role_still_reaches_max_steps(tmp_path, tiny_model_dir, redis_url, run_name):
     out = tmp_path / "run"
-    steps = 14
+    steps = 20
     proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--run.name", run_name, "--redis.url", redis_url,
                      "--redis.claim_idle_ms", "2000", "--ckpt.interval", "1", "--eval.env", "none")
     kills = [(2, "rollout"), (4, "filter"), (6, "packer"), (8, "trainer"), (10, "inference"), (12, "env")]
@@ -142,6 +151,8 @@ def test_kill_9_of_each_role_still_reaches_max_steps(tmp_path, tiny_model_dir, r
         wait_step(proc, out, at, timeout_s=180)
         pid = children_of(role_pid(out, "rollout"))[0] if role == "env" else role_pid(out, role)
         os.kill(pid, signal.SIGKILL)
+        if role != "env":  # the supervisor's restart, before the next kill (the rollout worker restarts its env server)
+            wait_output(proc, out, rf"^restarted {role}(-\d+)? ", timeout_s=60)
     assert wait_exit(proc, out, 300) == 0, stdout_of(out)[-4000:]
     s = summary(out)
     assert s["steps_trained"] == steps
