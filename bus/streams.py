@@ -9,7 +9,7 @@ decoded, or were delivered more than ``max_deliveries`` times, go to the run's `
 """
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +187,21 @@ class Bus:
             for row in rows:
                 counts[_str(row["message_id"])] = int(row["times_delivered"])
         return counts
+
+    async def keep_claimed(self, group: str, held: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        """Forever: every ``claim_idle_ms / 3``, XCLAIM each ``(stream, id)`` of ``held()`` to this consumer
+        (min-idle 0, JUSTID: the delivery count stays), so entries still being worked on never look idle to
+        another consumer's :meth:`reclaim`. Run it as a task and cancel it when the worker stops."""
+        period_s = self.cfg.claim_idle_ms / 3000
+        while True:
+            await asyncio.sleep(period_s)
+            entries = list(held())
+            if not entries:
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, entry_id in entries:
+                pipe.xclaim(stream, group, self.worker, 0, [entry_id], justid=True)
+            await pipe.execute()
 
     async def ack(self, stream: str, group: str, ids: list[str]) -> None:
         if ids:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from redis.asyncio.client import Pipeline
 
 from bus.errors import ConfigError
-from bus.log import configure_logging, get_logger
+from bus.log import get_logger
 from bus.messages import RolloutGroup, Task
 from bus.streams import Bus, CommitConflict, Entry
 from workers.config import RlbusConfig
@@ -233,5 +233,4 @@ def main(config: RlbusConfig, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlbus feeder", description=__doc__.splitlines()[0])
     parser.add_argument("--consumer", default=None, help="worker name in logs (default feeder-HOST-PID)")
     args = parser.parse_args(argv)
-    configure_logging(config.log)
     return asyncio.run(run_worker(FeederWorker(config, worker=args.consumer)))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bus.errors import CollapseError, ConfigError
 from bus.keys import GROUP_FILTER
-from bus.log import configure_logging, get_logger
+from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup
 from bus.streams import Bus, Entry
 from workers.advantages import assign_advantages, zero_variance
@@ -237,7 +237,6 @@ def main(config: RlbusConfig, argv: list[str]) -> int:
         "--consumer", default=None, help="consumer name in the group (default filter-HOST-PID)"
     )
     args = parser.parse_args(argv)
-    configure_logging(config.log)
     try:
         return asyncio.run(run_worker(FilterWorker(config, worker=args.consumer)))
     except CollapseError as e:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from bus.errors import ConfigError, DecodeError
 from bus.keys import GROUP_PACKER
-from bus.log import configure_logging, get_logger
+from bus.log import get_logger
 from bus.messages import Metric, Mode, RolloutGroup, Sample, decode
 from bus.policy import PolicyTracker
 from bus.streams import Bus, CommitConflict, Entry
@@ -116,7 +116,7 @@ class PackerWorker:
             await self.bus.close()
 
     async def run(self) -> None:
-        keep_alive = asyncio.create_task(self._keep_alive())
+        keep_alive = asyncio.create_task(self.bus.keep_claimed(GROUP_PACKER, lambda: self._ids))
         try:
             await self._loop()
         finally:
@@ -145,19 +145,6 @@ class PackerWorker:
                 continue
             await self.build(step)
 
-    async def _keep_alive(self) -> None:
-        """XCLAIM (min-idle 0, JUSTID: no delivery count) every held entry to itself every claim_idle_ms / 3."""
-        period_s = self.config.redis.claim_idle_ms / 3000
-        while True:
-            await asyncio.sleep(period_s)
-            held = list(self._ids)
-            if not held:
-                continue
-            pipe = self.bus.redis.pipeline(transaction=False)
-            for stream, entry_id in held:
-                pipe.xclaim(stream, GROUP_PACKER, self.worker, 0, [entry_id], justid=True)
-            await pipe.execute()
-
     # Reading.
 
     async def _read(self, reclaim: bool) -> None:
@@ -173,7 +160,7 @@ class PackerWorker:
                 await self._hold_raw(stream, items)
             return
         entries: list[Entry] = []
-        if reclaim:  # idle entries of a dead consumer; our own held ones are kept busy by _keep_alive
+        if reclaim:  # idle entries of a dead consumer; our own held ones are kept busy by Bus.keep_claimed
             for stream in self.streams:
                 claimed = await self.bus.reclaim(
                     stream, GROUP_PACKER, on_dead=release_inflight(self.bus.keys.state())
@@ -383,5 +370,4 @@ def main(config: RlbusConfig, argv: list[str]) -> int:
         help="stable consumer name: a restarted packer re-reads its own pending entries (default packer-0)",
     )
     args = parser.parse_args(argv)
-    configure_logging(config.log)
     return asyncio.run(run_worker(PackerWorker(config, worker=args.consumer)))

@@ -24,7 +24,7 @@ import time
 
 from bus.errors import ConfigError
 from bus.keys import GROUP_ROLLOUT
-from bus.log import configure_logging, get_logger
+from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Task
 from bus.policy import PolicyTracker
 from bus.streams import Bus, Entry
@@ -105,7 +105,7 @@ class RolloutWorker:
     async def run(self) -> None:
         limit = self.config.rollout.max_concurrent_groups
         active: set[asyncio.Task] = set()
-        heartbeat = asyncio.create_task(self._heartbeat())
+        heartbeat = asyncio.create_task(self.bus.keep_claimed(GROUP_ROLLOUT, lambda: self._running))
         try:
             while not self._stop.is_set():
                 busy = len(active) - self._gated
@@ -157,16 +157,6 @@ class RolloutWorker:
                 self.log.info("task_reclaimed", stream=entry.stream, entry_id=entry.id, deliveries=entry.deliveries)
             return entries
         return await self.bus.read_group(self.streams, GROUP_ROLLOUT, count=count, block_ms=self.config.redis.block_ms)
-
-    async def _heartbeat(self) -> None:
-        """Keep this worker's running tasks from looking idle (XCLAIM to itself, JUSTID: no delivery count)."""
-        period_s = self.config.redis.claim_idle_ms / 3000
-        while True:
-            await asyncio.sleep(period_s)
-            pipe = self.bus.redis.pipeline(transaction=False)
-            for stream, entry_id in list(self._running):
-                pipe.xclaim(stream, GROUP_ROLLOUT, self.worker, 0, [entry_id], justid=True)
-            await pipe.execute()
 
     async def _handle(self, entry: Entry) -> None:
         try:
@@ -253,5 +243,4 @@ def main(config: RlbusConfig, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlbus rollout", description=__doc__.splitlines()[0])
     parser.add_argument("--consumer", default=None, help="consumer name in group 'rollout' (default rollout-HOST-PID)")
     args = parser.parse_args(argv)
-    configure_logging(config.log)
     return asyncio.run(run_worker(RolloutWorker(config, worker=args.consumer)))
