@@ -24,10 +24,10 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import numpy as np  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
+from bus.config import RedisConfig  # noqa: E402
 from bus.local_redis import LocalRedis  # noqa: E402
 from bus.messages import RolloutGroup, Sample  # noqa: E402
 from bus.streams import Bus  # noqa: E402
-from workers.config import RedisConfig  # noqa: E402
 
 
 def rollout_message(seed: int) -> RolloutGroup:

@@ -82,7 +82,7 @@ def main() -> None:
 
     from bus.local_redis import free_port
     from workers.inference.process import InferenceProcess
-    from workers.model_init import build_model
+    from workers.tools.init_model import build_model
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:

@@ -19,7 +19,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import numpy as np  # noqa: E402
 
 from bus.messages import Sample  # noqa: E402
-from workers.packing import pack_step, plan  # noqa: E402
+from workers.stages.packing import pack_step, plan  # noqa: E402
 
 
 def random_samples(n: int, rng: np.random.Generator) -> list[Sample]:
@@ -48,14 +48,13 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=2, help="data-parallel size (micro-batch count multiple)")
     args = parser.parse_args()
     samples = random_samples(args.samples, np.random.default_rng(0))
-    modes = ["rl"] * len(samples)
     tokens = sum(s.num_tokens for s in samples)
 
     start = time.perf_counter()
-    plan([s.num_tokens for s in samples], modes, args.seq_len, args.dp)
+    plan([s.num_tokens for s in samples], [s.mode for s in samples], args.seq_len, args.dp)
     plan_s = time.perf_counter() - start
     start = time.perf_counter()
-    batches, stats = pack_step(samples, modes, step=1, seq_len=args.seq_len, dp_size=args.dp)
+    batches, stats = pack_step(samples, step=1, seq_len=args.seq_len, dp_size=args.dp)
     pack_s = time.perf_counter() - start
     start = time.perf_counter()
     wire_bytes = sum(len(mb.to_fields()["data"]) for mb in batches)

@@ -9,8 +9,8 @@ class RlbusError(Exception):
     """Base of every error rlbus raises on purpose."""
 
 
-class ConfigError(RlbusError):
-    """A configuration value is wrong; the message names the field and the fix."""
+class ConfigError(RlbusError, ValueError):
+    """A configuration value is wrong; the message names the field and the fix (the CLI prints it, exit 2)."""
 
 
 class DecodeError(RlbusError):

@@ -18,6 +18,32 @@ from bus.errors import RedisNotInstalledError, RlbusError
 INSTALL_HINT = "apt-get install -y redis-server (macOS: brew install redis)"
 
 
+def redis_server_argv(binary: str, port: int, dir: Path, aof: bool = True) -> list[str]:
+    """The redis-server command line of every private server: loopback only, data in ``dir``, no RDB snapshots."""
+    return [
+        binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(dir),
+        "--appendonly", "yes" if aof else "no", "--save", "", "--protected-mode", "no",
+        "--daemonize", "no", "--loglevel", "warning",
+    ]
+
+
+def redis_binary() -> str:
+    """Path of redis-server; RedisNotInstalledError naming the install command when it is missing."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RedisNotInstalledError(f"redis-server is not on PATH; install it: {INSTALL_HINT}")
+    return binary
+
+
+def redis_answers(url: str) -> bool:
+    """Whether the Redis at ``url`` answers PING right now."""
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=0.5) as client:
+            return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -43,46 +69,31 @@ class LocalRedis:
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start redis-server and wait until it answers PING; returns its URL."""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RedisNotInstalledError(f"redis-server is not on PATH; install it: {INSTALL_HINT}")
+        binary = redis_binary()
         if self.dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="rlbus-redis-")
             self.dir = Path(self._tmp.name)
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
             self.port = free_port()
-        args = [
-            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--appendonly", "yes" if self.aof else "no", "--save", "", "--protected-mode", "no",
-            "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.dir / "redis.log"),
-        ]
+        args = [*redis_server_argv(binary, self.port, self.dir, self.aof), "--logfile", str(self.dir / "redis.log")]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready(timeout_s)
         return self.url
 
     def _wait_ready(self, timeout_s: float) -> None:
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                if self._proc.poll() is not None:
-                    log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-                    raise RlbusError(
-                        f"redis-server exited with code {self._proc.returncode} on port {self.port}; "
-                        f"its log ({self.dir / 'redis.log'}):\n{log}"
-                    )
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RlbusError(f"redis-server on port {self.port} did not answer PING within {timeout_s}s")
-                time.sleep(0.02)
-        finally:
-            client.close()
+        while not redis_answers(self.url):
+            if self._proc.poll() is not None:
+                log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+                raise RlbusError(
+                    f"redis-server exited with code {self._proc.returncode} on port {self.port}; "
+                    f"its log ({self.dir / 'redis.log'}):\n{log}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RlbusError(f"redis-server on port {self.port} did not answer PING within {timeout_s}s")
+            time.sleep(0.02)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 5 s) and remove its temp dir."""

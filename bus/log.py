@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from workers.config import LogConfig
+from bus.config import LogConfig
 
 
 def configure_logging(cfg: LogConfig | None = None) -> None:

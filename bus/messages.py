@@ -12,13 +12,16 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from bus.arrays import BoolArray, Float32Array, Int32Array, packb, to_wire, unpackb
 from bus.errors import DecodeError
 
 Mode = Literal["rl", "opd", "sft"]
 """Training mode of a sample or micro-batch: rl (policy gradient), opd (on-policy distillation), sft."""
+
+MODES: tuple[Mode, ...] = typing.get_args(Mode)
+"""Every mode, in the order a step's micro-batches are packed and its losses reported."""
 
 
 class _Model(BaseModel):
@@ -195,6 +198,8 @@ class Sample(_Model):
     """True when generation stopped at the token limit rather than at EOS/done."""
     turns: int = 1
     """Model turns in the episode."""
+    mode: Mode = "rl"
+    """Training mode (which loss trains it); always its group's mode (taken from the group when unset)."""
 
     @property
     def num_tokens(self) -> int:
@@ -229,6 +234,15 @@ class RolloutGroup(Message):
     """Seconds spent per phase (``wait_gate_s``, ``generate_s``, ``env_s``, ``score_s``, ``total_s``)."""
     created_at: float = Field(default_factory=time.time)
     """Unix time the group was published."""
+
+    @model_validator(mode="after")
+    def _samples_share_the_mode(self) -> "RolloutGroup":
+        for sample in self.samples:
+            if "mode" not in sample.model_fields_set:
+                sample.mode = self.mode
+            elif sample.mode != self.mode:
+                raise ValueError(f"a sample has mode {sample.mode!r} in a group of mode {self.mode!r}")
+        return self
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -1,4 +1,4 @@
-"""Faster RESP command packing for redis-py's asyncio connections.
+"""RESP helpers: faster command packing for redis-py's asyncio connections, and reply text.
 
 redis-py packs every argument through a chain of isinstance checks and re-joins the whole
 buffer per argument: ~16 µs for one 26-argument XADD, about half of a pipelined XADD's cost.
@@ -43,6 +43,13 @@ class FastPackMixin:
                 pieces += (b"$%d\r\n" % size, arg, b"\r\n")
         output.append(b"".join(pieces))
         return output
+
+
+def as_str(value: bytes | str | int) -> str:
+    """A Redis reply value as text: bytes decoded as UTF-8 (undecodable bytes become U+FFFD), others via str()."""
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return value if isinstance(value, str) else str(value)
 
 
 @cache

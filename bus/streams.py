@@ -17,12 +17,12 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError, WatchError
 
+from bus.config import RedisConfig
 from bus.errors import DecodeError, RlbusError
 from bus.keys import Keys
 from bus.log import get_logger
 from bus.messages import DeadLetter, Message, decode
-from bus.resp import fast_packing
-from workers.config import RedisConfig
+from bus.resp import as_str, fast_packing
 
 
 @dataclass(slots=True)
@@ -38,10 +38,6 @@ class Entry:
 
 class CommitConflict(RlbusError):
     """A commit guard did not hold (another worker moved first); nothing was written."""
-
-
-def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class Bus:
@@ -78,14 +74,14 @@ class Bus:
 
     async def publish(self, stream: str, message: Message) -> str:
         """XADD one message (``MAXLEN ~ redis.maxlen``); returns its entry id."""
-        return _str(await self._xadd(self.redis, stream, message))
+        return as_str(await self._xadd(self.redis, stream, message))
 
     async def publish_many(self, stream: str, messages: list[Message]) -> list[str]:
         """XADD several messages in one pipeline round trip; returns their entry ids."""
         pipe = self.redis.pipeline(transaction=False)
         for message in messages:
             self._xadd(pipe, stream, message)
-        return [_str(i) for i in await pipe.execute()]
+        return [as_str(i) for i in await pipe.execute()]
 
     # Consumer groups.
 
@@ -115,7 +111,7 @@ class Bus:
             reply = await self.redis.xreadgroup(group, self.worker, query, count=count, block=block_ms)
         entries: list[Entry] = []
         for stream, items in reply or []:
-            entries += await self._decode_all(_str(stream), group, items, {})
+            entries += await self._decode_all(as_str(stream), group, items, {})
         return entries
 
     async def _decode_all(
@@ -123,7 +119,7 @@ class Bus:
     ) -> list[Entry]:
         entries = []
         for raw_id, fields in items:
-            entry_id = _str(raw_id)
+            entry_id = as_str(raw_id)
             if fields is None:  # deleted (trimmed) while pending
                 await self.ack(stream, group, [entry_id])
                 continue
@@ -163,11 +159,11 @@ class Bus:
                 raise
             cursor, items = reply[0], reply[1]
             claimed += items
-            if _str(cursor) == "0-0":
+            if as_str(cursor) == "0-0":
                 break
         if not claimed:
             return []
-        deliveries = await self._delivery_counts(stream, group, [_str(i) for i, f in claimed if f is not None])
+        deliveries = await self._delivery_counts(stream, group, [as_str(i) for i, f in claimed if f is not None])
         entries = []
         for entry in await self._decode_all(stream, group, claimed, deliveries):
             if entry.deliveries > self.cfg.max_deliveries:
@@ -185,7 +181,7 @@ class Bus:
         counts = {}
         for rows in await pipe.execute():
             for row in rows:
-                counts[_str(row["message_id"])] = int(row["times_delivered"])
+                counts[as_str(row["message_id"])] = int(row["times_delivered"])
         return counts
 
     async def keep_claimed(self, group: str, held: Callable[[], Iterable[tuple[str, str]]]) -> None:
@@ -236,7 +232,7 @@ class Bus:
             reason=reason,
             worker=self.worker,
             deliveries=deliveries or 1,
-            fields={_str(k): v if isinstance(v, bytes) else str(v).encode() for k, v in (fields or {}).items()},
+            fields={as_str(k): v if isinstance(v, bytes) else str(v).encode() for k, v in (fields or {}).items()},
         )
         acks = [(stream, group, entry_id)] if group is not None else []
         ids = await self.commit(acks, [(self.keys.dead(), letter)], extra=extra)
@@ -268,7 +264,7 @@ class Bus:
                 key, field, expected = guard
                 await pipe.watch(key)
                 current = await pipe.hget(key, field)
-                if (None if current is None else _str(current)) != expected:
+                if (None if current is None else as_str(current)) != expected:
                     raise CommitConflict(f"{key} {field} is {current!r}, expected {expected!r}")
                 pipe.multi()
             for stream, group, entry_id in acks:
@@ -282,7 +278,7 @@ class Bus:
             except WatchError as e:
                 key, field, expected = guard
                 raise CommitConflict(f"{key} {field} changed during the commit (expected {expected!r})") from e
-        return [_str(i) for i in results[len(acks) : len(acks) + len(encoded)]]
+        return [as_str(i) for i in results[len(acks) : len(acks) + len(encoded)]]
 
     # Fan-out reads (no group): weights, policy, metrics.
 
@@ -296,7 +292,7 @@ class Bus:
                 return []
             out = []
             for raw_id, fields in reply[0][1]:
-                last_id = _str(raw_id)
+                last_id = as_str(raw_id)
                 try:
                     out.append((last_id, decode(fields)))
                 except DecodeError as e:
@@ -311,13 +307,13 @@ class Bus:
         if not rows:
             return None
         raw_id, fields = rows[0]
-        return _str(raw_id), decode(fields)
+        return as_str(raw_id), decode(fields)
 
     # The run's state hash.
 
     async def state_get(self, field: str) -> str | None:
         value = await self.redis.hget(self.keys.state(), field)
-        return None if value is None else _str(value)
+        return None if value is None else as_str(value)
 
     async def state_set(self, **fields: Any) -> None:
         if fields:

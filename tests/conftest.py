@@ -18,9 +18,9 @@ import pytest
 import redis
 from hypothesis import HealthCheck, settings
 
+from bus.config import RedisConfig
 from bus.local_redis import LocalRedis
 from bus.streams import Bus
-from workers.config import RedisConfig
 
 # Timing-based hypothesis checks are meaningless on a shared 2-core box: keep the examples, drop the deadline.
 settings.register_profile("rlbus", deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -79,6 +79,6 @@ def bus(redis_url, run_name):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random-init tiny Qwen3 with its byte-level tokenizer, built once per session."""
-    from workers.model_init import build_model
+    from workers.tools.init_model import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny", seed=0)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from bus.messages import Sample
-from workers.advantages import assign_advantages, group_advantages, zero_variance
 from workers.config import AdvantageConfig
+from workers.stages.advantages import assign_advantages, group_advantages, zero_variance
 
 
 def adv(rewards, tokens=None, max_tokens=None, **cfg):

@@ -12,8 +12,8 @@ import pytest
 from bus.errors import RpcError, RpcTimeoutError
 from bus.rpc import RpcClient
 from workers.config import EnvConfig
-from workers.env_server import EnvHandle
 from workers.envs import BUILTIN
+from workers.envs.server import EnvHandle
 
 
 def _gone(pid: int) -> bool:

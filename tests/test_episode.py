@@ -8,8 +8,8 @@ import pytest
 
 from bus.messages import Task
 from workers.config import SamplingConfig
-from workers.episode import ChatTokens, GroupRunner, RolloutError
-from workers.model_init import build_tokenizer
+from workers.stages.episode import ChatTokens, GroupRunner, RolloutError
+from workers.tools.init_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bus.messages import RolloutGroup, Task
+from bus.state import INFLIGHT_FIELD, cursor_field, epoch_field
 from workers.config import RlbusConfig
-from workers.feeder import (
-    INFLIGHT_FIELD,
-    EnvCursor,
-    FeederWorker,
-    cursor_field,
-    epoch_field,
-    epoch_order,
-    pick_env,
-)
+from workers.stages.feeder import EnvCursor, FeederWorker, epoch_order, pick_env
 
 
 def _config(redis_url, run_name, envs, **feeder) -> RlbusConfig:

@@ -6,7 +6,7 @@ import numpy as np
 
 from bus.messages import Sample
 from workers.config import GibberishFilterConfig, RepetitionFilterConfig, ZeroAdvantageFilterConfig
-from workers.filters import (
+from workers.stages.sample_filters import (
     active_filters,
     apply_filters,
     is_gibberish,

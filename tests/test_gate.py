@@ -6,7 +6,7 @@ import pytest
 
 from bus.messages import PolicyVersion
 from bus.policy import PolicyTracker, publish_served, publish_trained
-from workers.gate import StalenessGate, admits
+from workers.stages.gate import StalenessGate, admits
 
 
 @pytest.mark.parametrize("served,trained,off,prefetch,eval_step,ok", [

@@ -14,12 +14,12 @@ import pytest
 import torch
 from trainer_helpers import micro_batch, step_batches
 
+from trainer.config import DppoLossConfig, TrainerConfig
 from trainer.dist import DistContext
 from trainer.logprobs import PolicyModel
 from trainer.losses import loss_fns
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.step import to_batch, train_step
-from workers.config import DppoLossConfig, TrainerConfig
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,7 +12,7 @@ from bus.messages import WeightUpdate
 from bus.policy import PolicyTracker
 from workers.inference.client import InferenceClient
 from workers.inference.process import InferenceProcess
-from workers.model_init import build_model
+from workers.tools.init_model import build_model
 
 SERVER_ID = "s1"
 

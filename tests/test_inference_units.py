@@ -137,7 +137,7 @@ def test_eval_hold_keeps_newer_safetensors_updates_back(bus, run_name):
     """eval:hold=1: step 1 is served, step 2 waits (also for a follower started later) until the hold moves to 2;
     nccl broadcasts are never held."""
     from bus.messages import WeightUpdate
-    from workers.eval import EVAL_HOLD_FIELD
+    from bus.state import EVAL_HOLD_FIELD
     from workers.inference.weights_follower import WeightsFollower
 
     async def main():

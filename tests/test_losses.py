@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from trainer.config import CustomLossConfig, DppoLossConfig
 from trainer.losses import (
     LossInputs,
     cispo_loss,
@@ -16,7 +17,6 @@ from trainer.losses import (
     rl_loss_fn,
     sft_loss,
 )
-from workers.config import CustomLossConfig, DppoLossConfig
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.model_init import build_model, ensure_model, main
+from bus.errors import ConfigError
+from workers.tools.init_model import build_model, ensure_model, main
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -58,7 +59,7 @@ def test_same_seed_same_weights_and_ensure_model_reuses(tmp_path, model_dir):
     again = build_model(tmp_path / "again", seed=0)
     assert (again / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
     assert ensure_model(again, preset=None) == again
-    with pytest.raises(FileNotFoundError, match="rlbus init-model --out"):
+    with pytest.raises(ConfigError, match="rlbus init-model --out"):
         ensure_model(tmp_path / "missing", preset=None)
 
 

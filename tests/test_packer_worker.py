@@ -16,9 +16,10 @@ from bus.errors import CollapseError
 from bus.keys import GROUP_FILTER, GROUP_PACKER
 from bus.messages import Metric, MicroBatch, RolloutGroup, Sample
 from bus.policy import publish_trained
+from bus.state import LAST_STEP_FIELD, STOP_REASON_FIELD, STREAK_FIELD
 from workers.config import RlbusConfig
-from workers.filter import STOP_REASON_FIELD, STREAK_FIELD, FilterWorker
-from workers.packer import LAST_STEP_FIELD, PAUSE_ENV, PackerWorker
+from workers.stages.filter import FilterWorker
+from workers.stages.packer import PAUSE_ENV, PackerWorker
 
 ENV = "rev"
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,14 +4,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import MicroBatch, Sample
-from workers.packing import first_fit_decreasing, pack_step, plan, truncate
-
-MODES = ("rl", "opd", "sft")
+from bus.messages import MODES, MicroBatch, Sample
+from workers.stages.packing import first_fit_decreasing, pack_step, plan, truncate
 
 
 def make_sample(
-    uid: int, prompt: int, completion: int, advantage: float = 1.0, teacher: bool = False
+    uid: int, prompt: int, completion: int, advantage: float = 1.0, teacher: bool = False, mode: str = "rl"
 ) -> Sample:
     """Token ids encode (sample uid, position) so every packed token can be traced back."""
     ids = uid * 100_000 + np.arange(prompt + completion, dtype=np.int32)
@@ -27,13 +25,14 @@ def make_sample(
         advantage=advantage,
         policy_version_start=uid % 5,
         temperature=0.7,
+        mode=mode,
     )
 
 
 def test_micro_batch_arrays_by_hand():
     a = make_sample(1, prompt=2, completion=3, advantage=0.5)
     b = make_sample(2, prompt=1, completion=2, advantage=-1.0, teacher=True)
-    batches, stats = pack_step([a, b], ["rl", "rl"], step=3, seq_len=16, dp_size=2)
+    batches, stats = pack_step([a, b], step=3, seq_len=16, dp_size=2)
     assert len(batches) == 2 and stats.padding_micro_batches == 1
     mb, pad = batches
     assert (mb.step, mb.index, mb.count, mb.mode) == (3, 0, 2, "rl")
@@ -59,7 +58,7 @@ def test_truncation_keeps_the_prompt_first_and_counts():
     cut, was_cut = truncate(s, 8)
     assert was_cut and cut.num_tokens == 8 and len(cut.completion_ids) == 4 and len(cut.loss_mask) == 4
     assert truncate(s, 14) == (s, False)
-    _, stats = pack_step([s], ["rl"], step=1, seq_len=8, dp_size=1)
+    _, stats = pack_step([s], step=1, seq_len=8, dp_size=1)
     assert stats.truncated == 1 and stats.tokens == 8
 
 
@@ -76,9 +75,9 @@ samples_strategy = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(specs=samples_strategy, seq_len=st.integers(8, 96), dp=st.integers(1, 4))
 def test_packing_invariants(specs, seq_len, dp):
-    samples = [make_sample(i + 1, p, c, teacher=(m == "opd")) for i, (p, c, m) in enumerate(specs)]
+    samples = [make_sample(i + 1, p, c, teacher=(m == "opd"), mode=m) for i, (p, c, m) in enumerate(specs)]
     modes = [m for _, _, m in specs]
-    batches, stats = pack_step(samples, modes, step=1, seq_len=seq_len, dp_size=dp)
+    batches, stats = pack_step(samples, step=1, seq_len=seq_len, dp_size=dp)
 
     assert len(batches) % dp == 0 and len(batches) >= dp
     assert [mb.index for mb in batches] == list(range(len(batches)))

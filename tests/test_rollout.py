@@ -17,9 +17,9 @@ import redis
 from bus.keys import GROUP_ROLLOUT, Keys
 from bus.local_redis import free_port
 from bus.messages import DeadLetter, RolloutGroup, Task
+from bus.state import INFLIGHT_FIELD
 from workers.config_loader import load_config
-from workers.feeder import INFLIGHT_FIELD
-from workers.rollout import RolloutWorker
+from workers.stages.rollout import RolloutWorker
 
 
 def _toml(value) -> str:

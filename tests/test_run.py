@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from workers.config_loader import load_config
-from workers.eval import eval_steps_due, eval_values, k_values, next_eval_step, pass_at_k
-from workers.report import build_summary, rollout_tokens_per_s, stale_fraction, train_reward, write_report
-from workers.run import dump_toml, resolve, torch_threads
-from workers.supervisor import ChildSpec, Supervisor
+from workers.run.eval import eval_steps_due, eval_values, k_values, next_eval_step, pass_at_k
+from workers.run.report import build_summary, rollout_tokens_per_s, stale_fraction, train_reward, write_report
+from workers.run.session import dump_toml, resolve, torch_threads
+from workers.run.supervisor import ChildSpec, Supervisor
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
@@ -143,7 +143,7 @@ def test_children_die_when_the_supervisor_is_killed(tmp_path):
     script = f"""
 import sys, time
 sys.path.insert(0, {str(REPO)!r})
-from workers.supervisor import ChildSpec, Supervisor
+from workers.run.supervisor import ChildSpec, Supervisor
 sup = Supervisor({str(tmp_path)!r})
 c = sup.start(ChildSpec("sleeper", "s", ["sleep", "60"]))
 print(c.proc.pid, flush=True)
@@ -192,7 +192,7 @@ def test_report_series_and_summary(tmp_path):
 
 def test_replay_copies_entries_with_original_ids(redis_client, redis_url, run_name):
     from bus.keys import Keys
-    from workers.replay import main as replay_main
+    from workers.tools.replay import main as replay_main
 
     src, dst = Keys(run_name), Keys(run_name + "-b")
     ids = {step: [redis_client.xadd(src.batches(step), {"kind": "x", "step": str(step), "data": b"\x00" * 3})
@@ -237,7 +237,7 @@ def test_docker_compose_config_validates(tmp_path):
 def test_status_panel_and_plain_line():
     from rich.console import Console
 
-    from workers.status import Snapshot, StreamLag, plain_line, render
+    from workers.run.status import Snapshot, StreamLag, plain_line, render
 
     snap = Snapshot(trained=3, max_steps=10, served_by={"inference-0": 3}, reward_train=0.25,
                     reward_eval={"e/reward": 0.5}, eval_step=2, gen_tokens_per_s=4200.0, train_tokens_per_s=900.0,

@@ -124,7 +124,7 @@ def test_entry_delivered_more_than_max_deliveries_goes_dead(bus):
 
 
 def test_dead_lettered_task_releases_its_inflight_samples(bus):
-    from workers.feeder import INFLIGHT_FIELD, release_inflight
+    from bus.state import INFLIGHT_FIELD, release_inflight
 
     async def main():
         cfg = {"claim_idle_ms": 100, "max_deliveries": 1}

@@ -6,12 +6,12 @@ import pytest
 import torch
 from trainer_helpers import fsdp_rank_step, micro_batch, step_batches, tiny_lm
 
+from trainer.config import CkptConfig, DppoLossConfig, TrainerConfig
 from trainer.dist import DistContext
 from trainer.logprobs import PolicyModel
 from trainer.losses import loss_fns
 from trainer.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.step import to_batch, train_step
-from workers.config import CkptConfig, DppoLossConfig, TrainerConfig
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

@@ -89,9 +89,9 @@ def test_two_spawned_ranks_match_one_rank(tmp_path, redis_url, bus, run_name):
 def _follow_broadcast(redis_url, run, out_path):
     """A stand-in inference server: read the first nccl weights event, join the gloo broadcast, save the tensors."""
     torch.set_num_threads(1)
+    from bus.config import RedisConfig
     from bus.streams import Bus
     from trainer.broadcast import receive_weights
-    from workers.config import RedisConfig
 
     async def follow():
         b = await Bus.connect(redis_url, run, RedisConfig(url=redis_url), "server-0")
@@ -138,7 +138,7 @@ def test_prune_keeps_served_steps_and_the_eval_hold(tmp_path, bus, run_name):
 
     from bus.log import get_logger
     from bus.policy import PolicyTracker, publish_served
-    from workers.eval import EVAL_HOLD_FIELD
+    from bus.state import EVAL_HOLD_FIELD
 
     for step in range(1, 6):
         (tmp_path / "weights" / f"step_{step}").mkdir(parents=True)

@@ -62,12 +62,12 @@ def step_batches(step: int, count: int = 4, seed: int = 0) -> list[MicroBatch]:
 def fsdp_rank_step(out_path: str, count: int) -> None:
     """Run one train_step on this rank's share of ``step_batches(1, count)`` and save the full weights (rank 0)."""
     torch.set_num_threads(1)
+    from trainer.config import DppoLossConfig, TrainerConfig
     from trainer.dist import close_distributed, full_state_dict, init_distributed, prepare_model
     from trainer.logprobs import PolicyModel
     from trainer.losses import loss_fns
     from trainer.optim import build_optimizer, build_scheduler
     from trainer.step import to_batch, train_step
-    from workers.config import DppoLossConfig, TrainerConfig
 
     ctx = init_distributed("cpu")
     cfg = TrainerConfig(lr=1e-2)

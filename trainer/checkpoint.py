@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from bus.errors import ConfigError
+from trainer.config import CkptConfig
 from trainer.dist import DistContext, barrier
-from workers.config import CkptConfig
 
 FILE_NAME = "trainer.pt"
 

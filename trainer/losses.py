@@ -23,15 +23,12 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from bus.errors import ConfigError
-
-if TYPE_CHECKING:
-    from workers.config import LossConfig
+from trainer.config import CispoLossConfig, CustomLossConfig, DppoLossConfig, LossConfig, PpoLossConfig
 
 
 @dataclass
@@ -116,10 +113,8 @@ def sft_loss(inputs: LossInputs) -> LossTerms:
     return LossTerms(loss=-inputs.logprobs, masked=torch.zeros_like(inputs.loss_mask))
 
 
-def rl_loss_fn(cfg: "LossConfig") -> LossFn:
+def rl_loss_fn(cfg: LossConfig) -> LossFn:
     """The rl-mode loss chosen by ``[trainer.loss]``."""
-    from workers.config import CispoLossConfig, CustomLossConfig, DppoLossConfig, PpoLossConfig
-
     if isinstance(cfg, DppoLossConfig):
         return partial(dppo_loss, adv_tau=cfg.adv_tau, kl_tau=cfg.kl_tau, dppo_mask_low=cfg.dppo_mask_low,
                        dppo_mask_high=cfg.dppo_mask_high)
@@ -145,7 +140,7 @@ def _import(path: str) -> Callable:
     return fn
 
 
-def loss_fns(cfg: "LossConfig") -> dict[str, LossFn]:
+def loss_fns(cfg: LossConfig) -> dict[str, LossFn]:
     """Loss function per mode: rl from the config, opd and sft fixed."""
     return {"rl": rl_loss_fn(cfg), "opd": opd_loss, "sft": sft_loss}
 

@@ -1,24 +1,21 @@
 """AdamW and the learning-rate schedule: linear warmup, then constant or cosine down to ``min_lr_ratio``."""
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from bus.errors import ConfigError
-
-if TYPE_CHECKING:
-    from workers.config import TrainerConfig
+from trainer.config import TrainerConfig
 
 
-def build_optimizer(model: nn.Module, cfg: "TrainerConfig") -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
     """AdamW over the trainable parameters with ``[trainer]`` lr, betas and weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
-def lr_factor(step: int, cfg: "TrainerConfig", max_steps: int | None) -> float:
+def lr_factor(step: int, cfg: TrainerConfig, max_steps: int | None) -> float:
     """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based count of steps already taken)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
@@ -31,7 +28,7 @@ def lr_factor(step: int, cfg: "TrainerConfig", max_steps: int | None) -> float:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: "TrainerConfig", max_steps: int | None
+    optimizer: torch.optim.Optimizer, cfg: TrainerConfig, max_steps: int | None
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR applying :func:`lr_factor`; cosine needs ``run.max_steps``."""
     if cfg.schedule == "cosine" and max_steps is None:

@@ -8,18 +8,14 @@ micro-batches and ranks. Metric sums are all-reduced once at the end of the step
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from bus.messages import MicroBatch
+from bus.messages import MODES, MicroBatch
 from trainer.dist import DistContext, all_reduce_max, all_reduce_sum, set_grad_sync
 from trainer.losses import LossFn, LossInputs, reduce_loss
-
-MODES = ("rl", "opd", "sft")
 
 # bf16 dense peak FLOP/s by GPU name fragment, for MFU.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -47,7 +43,7 @@ class Batch:
     """0 for the filler micro-batch of a rank that ran out of real ones."""
 
 
-def to_batch(mb: "MicroBatch", device: torch.device, step: int) -> Batch:
+def to_batch(mb: MicroBatch, device: torch.device, step: int) -> Batch:
     """Tensors of one MicroBatch on ``device``."""
 
     def t(a: np.ndarray, dtype: torch.dtype) -> Tensor:

@@ -15,14 +15,12 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from bus.messages import WeightFile
+from bus.messages import WeightFile
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -71,10 +69,8 @@ def unique_tensors(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def save_weights(
     model: nn.Module | Mapping[str, Tensor], dir: Path | str, max_shard_mb: float = 1024,
     host_copy: HostCopy | None = None, config: object | None = None,
-) -> "list[WeightFile]":
+) -> list[WeightFile]:
     """Write the model's (or a state dict's) weights as HF safetensors shards to ``dir`` atomically."""
-    from bus.messages import WeightFile
-
     if isinstance(model, nn.Module):
         config = config or getattr(model, "config", None)
         model = model.state_dict()
@@ -137,7 +133,7 @@ def read_weights(dir: Path | str, device: torch.device | str = "cpu") -> dict[st
     return tensors
 
 
-def verify_weights(dir: Path | str, files: "list[WeightFile]") -> None:
+def verify_weights(dir: Path | str, files: list[WeightFile]) -> None:
     """Raise ValueError when a shard's size or sha256 differs from the weights event."""
     for f in files:
         path = Path(dir) / f.name
@@ -189,10 +185,8 @@ def prune_weights(output_dir: Path | str, keep: int, protected: set[int]) -> lis
     return doomed
 
 
-def describe_weights(dir: Path | str) -> "list[WeightFile]":
+def describe_weights(dir: Path | str) -> list[WeightFile]:
     """The WeightFile list (size, sha256) of an existing weights directory, to re-publish it."""
-    from bus.messages import WeightFile
-
     dir = Path(dir)
     files = []
     for path in sorted(dir.glob("*.safetensors")):

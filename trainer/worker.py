@@ -15,8 +15,9 @@ import time
 
 from bus.log import configure_logging, get_logger
 from bus.messages import Metric, MicroBatch, WeightUpdate
+from bus.policy import PolicyTracker, publish_trained
+from bus.state import EVAL_HOLD_FIELD
 from workers.config import RlbusConfig
-from workers.eval import EVAL_HOLD_FIELD
 from workers.lifecycle import connect_bus, run_worker
 
 
@@ -44,7 +45,6 @@ class TrainerWorker:
     async def setup(self) -> None:
         import torch
 
-        from bus.policy import PolicyTracker
         from trainer.checkpoint import Checkpointer
         from trainer.dist import prepare_model
         from trainer.logprobs import PolicyModel
@@ -80,7 +80,6 @@ class TrainerWorker:
         if self.step > 0:
             await self.publish_weights(self.step, republish=True)
         elif self.ctx.is_main:
-            from bus.policy import publish_trained
 
             await self.tracker.refresh()
             if self.tracker.trained > 0:
@@ -134,7 +133,6 @@ class TrainerWorker:
 
     async def publish_weights(self, step: int, republish: bool = False) -> None:
         """Weights of ``step`` to inference servers, then ``trained = step`` (rank 0; every rank gathers)."""
-        from bus.policy import publish_trained
         from trainer.dist import full_state_dict
 
         state = full_state_dict(self.policy, self.ctx)

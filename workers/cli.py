@@ -13,18 +13,18 @@ from bus.log import configure_logging
 from workers.config_loader import dump_json, load_config, split_argv
 
 ROLES: dict[str, tuple[str, str]] = {
-    "env": ("workers.env_server:main", "serve one environment over ZeroMQ"),
+    "env": ("workers.envs.server:main", "serve one environment over ZeroMQ"),
     "inference": ("workers.inference.server:main", "OpenAI-compatible inference server that follows `weights`"),
-    "feeder": ("workers.feeder:main", "turn datasets into tasks, honouring ratios and max in-flight rollouts"),
-    "rollout": ("workers.rollout:main", "roll out tasks: sample groups, run episodes, score, publish"),
-    "filter": ("workers.filter:main", "compute advantages and apply the pre-batch filters"),
-    "packer": ("workers.packer:main", "pack filtered groups into the micro-batches of each step"),
+    "feeder": ("workers.stages.feeder:main", "turn datasets into tasks, honouring ratios and max in-flight rollouts"),
+    "rollout": ("workers.stages.rollout:main", "roll out tasks: sample groups, run episodes, score, publish"),
+    "filter": ("workers.stages.filter:main", "compute advantages and apply the pre-batch filters"),
+    "packer": ("workers.stages.packer:main", "pack filtered groups into the micro-batches of each step"),
     "trainer": ("trainer.worker:main", "train on each step's micro-batches, publish weights and versions"),
-    "run": ("workers.run:main", "start a whole run on this machine (private redis-server if no URL)"),
-    "inspect": ("workers.inspect:main", "show a run's streams, groups, lag and pending entries; decode entries"),
-    "replay": ("workers.replay:main", "copy recorded rollouts or batches of one run into another run"),
-    "redis": ("workers.redis_role:main", "run a private redis-server in the foreground and print its URL"),
-    "init-model": ("workers.model_init:main", "build a random-init tiny/small Qwen3 with a byte-level tokenizer"),
+    "run": ("workers.run.session:main", "start a whole run on this machine (private redis-server if no URL)"),
+    "inspect": ("workers.tools.inspect_run:main", "show a run's streams, groups, lag and pending entries; decode entries"),
+    "replay": ("workers.tools.replay:main", "copy recorded rollouts or batches of one run into another run"),
+    "redis": ("workers.tools.redis_server:main", "run a private redis-server in the foreground and print its URL"),
+    "init-model": ("workers.tools.init_model:main", "build a random-init tiny/small Qwen3 with a byte-level tokenizer"),
 }
 """Role name → ("module:function", one-line description)."""
 

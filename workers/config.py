@@ -9,15 +9,11 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
-Mode = Literal["rl", "opd", "sft"]
-
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, defaults are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True, populate_by_name=True)
+from bus.config import LogConfig, RedisConfig, Section
+from bus.messages import Mode
+from trainer.config import CkptConfig, TrainerConfig
 
 
 class RunConfig(Section):
@@ -32,23 +28,6 @@ class RunConfig(Section):
 
     max_steps: int | None = Field(None, ge=1)
     """Training steps to run; None runs until stopped."""
-
-
-class RedisConfig(Section):
-    url: str | None = None
-    """Redis URL (``redis://host:port/db``). None: ``rlbus run`` starts a private redis-server; other roles fail."""
-
-    maxlen: int = Field(100_000, ge=1)
-    """Approximate MAXLEN of every stream (XADD ``MAXLEN ~``); older entries are trimmed."""
-
-    claim_idle_ms: int = Field(60_000, ge=100)
-    """A pending entry idle this long (its consumer presumed dead) is reclaimed by another consumer."""
-
-    block_ms: int = Field(1_000, ge=1)
-    """XREADGROUP/XREAD BLOCK timeout; bounds how fast a worker notices a stop request."""
-
-    max_deliveries: int = Field(5, ge=1)
-    """An entry delivered this many times without an ack goes to ``dead``."""
 
 
 class ModelConfig(Section):
@@ -241,7 +220,7 @@ class ZeroAdvantageFilterConfig(FilterSpec):
     type: Literal["zero_advantage"] = "zero_advantage"
 
 
-FilterConfig = Annotated[
+SampleFilterConfig = Annotated[
     GibberishFilterConfig | RepetitionFilterConfig | ZeroAdvantageFilterConfig, Field(discriminator="type")
 ]
 
@@ -260,14 +239,14 @@ class AdvantageConfig(Section):
     """Subtracted per completion token (× tokens / max_completion_tokens) from the reward before centring."""
 
 
-class FilterWorkerConfig(Section):
+class FilterConfig(Section):
     workers: int = Field(1, ge=1)
     """Filter worker processes ``rlbus run`` starts."""
 
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     """How rewards become advantages."""
 
-    pre_batch_filters: list[FilterConfig] = Field(
+    pre_batch_filters: list[SampleFilterConfig] = Field(
         default_factory=lambda: [
             GibberishFilterConfig(enforce=False),
             RepetitionFilterConfig(enforce=False),
@@ -277,7 +256,7 @@ class FilterWorkerConfig(Section):
     """Filters applied by the filter worker, before a sample takes a batch slot."""
 
     @model_validator(mode="after")
-    def _unique(self) -> "FilterWorkerConfig":
+    def _unique(self) -> "FilterConfig":
         _unique_filter_types(self.pre_batch_filters, "filter.pre_batch_filters")
         return self
 
@@ -304,7 +283,7 @@ class PackerConfig(Section):
     collapse_after: int | None = Field(None, ge=1)
     """Stop the run after this many consecutive zero-variance groups; None = 100 × the smallest batch in groups."""
 
-    post_batch_filters: list[FilterConfig] = Field(
+    post_batch_filters: list[SampleFilterConfig] = Field(
         default_factory=lambda: [GibberishFilterConfig(), RepetitionFilterConfig(), ZeroAdvantageFilterConfig()]
     )
     """Filters applied by the packer to an assembled batch."""
@@ -321,115 +300,6 @@ class PackerConfig(Section):
                 f" so every group would be dropped as stale; raise max_off_policy_steps or lower prefetch_steps"
             )
         return self
-
-
-class DppoLossConfig(Section):
-    type: Literal["dppo"] = "dppo"
-    adv_tau: float = Field(1.0, ge=0)
-    """Weight of the advantage term."""
-    kl_tau: float = Field(1e-3, ge=0)
-    """Weight of the (log-ratio)² term."""
-    dppo_mask_low: float = Field(0.2, ge=0)
-    """Mask a token when A ≤ 0 and π−μ < −this."""
-    dppo_mask_high: float = Field(0.2, ge=0)
-    """Mask a token when A > 0 and π−μ > this."""
-
-
-class CispoLossConfig(Section):
-    type: Literal["cispo"] = "cispo"
-    eps_low: float = Field(0.2, ge=0)
-    """Lower clip of the importance ratio: 1 − eps_low."""
-    eps_high: float = Field(0.28, ge=0)
-    """Upper clip of the importance ratio: 1 + eps_high."""
-    kl_tau: float = Field(0.0, ge=0)
-    """Weight of the (log-ratio)² term."""
-
-
-class PpoLossConfig(Section):
-    type: Literal["ppo"] = "ppo"
-    clip_low: float = Field(0.2, ge=0)
-    """Lower clip of the ratio: 1 − clip_low."""
-    clip_high: float = Field(0.2, ge=0)
-    """Upper clip of the ratio: 1 + clip_high."""
-    kl_tau: float = Field(0.0, ge=0)
-    """Weight of the (log-ratio)² term."""
-
-
-class CustomLossConfig(Section):
-    type: Literal["custom"] = "custom"
-    import_path: str
-    """``package.module:function(inputs: LossInputs, **kwargs) -> LossTerms`` (see trainer.losses.dppo_loss)."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments passed to the function."""
-
-
-LossConfig = Annotated[
-    DppoLossConfig | CispoLossConfig | PpoLossConfig | CustomLossConfig, Field(discriminator="type")
-]
-
-
-class TrainerConfig(Section):
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device to train on; auto = cuda when available."""
-
-    nproc: int = Field(1, ge=1)
-    """Data-parallel ranks (FSDP2; gloo on CPU)."""
-
-    lr: float = Field(1e-4, ge=0)
-    """Peak learning rate."""
-
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warmup steps."""
-
-    schedule: Literal["constant", "cosine"] = "constant"
-    """LR schedule after warmup."""
-
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    """Cosine schedule floor as a fraction of lr."""
-
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    """Gradient clipping norm; None = no clipping."""
-
-    loss: LossConfig = Field(default_factory=DppoLossConfig)
-    """Loss of rl-mode micro-batches (opd and sft have fixed losses)."""
-
-    logprob_chunk_size: int = Field(1024, ge=1)
-    """Tokens per chunk when computing logprobs over the vocabulary (bounds logits memory)."""
-
-    forward_batch: int = Field(1, ge=1)
-    """Micro-batches stacked into one forward/backward pass (rows padded to the longest). Same update; on a GPU,
-    larger values mean fewer, larger kernels (higher utilisation) at the cost of activation memory."""
-
-    compile: bool = False
-    """torch.compile each decoder layer and the chunked logprob head (GPU; the first step compiles)."""
-
-    weight_transport: Literal["safetensors", "nccl"] = "safetensors"
-    """How new weights reach inference servers: safetensors shards on disk, or an nccl/gloo broadcast."""
-
-    nccl_host: str = "127.0.0.1"
-    """Rendezvous host of the weight broadcast."""
-
-    nccl_port: int = Field(29511, ge=1, le=65535)
-    """Rendezvous port of the weight broadcast."""
-
-    max_shard_mb: int = Field(256, ge=1)
-    """Maximum size of one safetensors shard in MiB. Shards are written and hashed in parallel: on an H200,
-    Qwen3-0.6B's 1.11 GiB took 0.64 s to write in 256 MiB shards and 1.55 s as one shard."""
-
-    keep_weights: int = Field(3, ge=1)
-    """Weight directories kept (a directory still served is never deleted)."""
-
-    broadcast_timeout_s: float = Field(300.0, gt=0)
-    """nccl/gloo transport: how long the trainer waits for every inference server to join a weight broadcast."""
-
-    num_threads: int | None = Field(None, ge=1)
-    """torch CPU threads; None = the share ``rlbus run`` assigns (or torch's default)."""
 
 
 class InferenceConfig(Section):
@@ -476,28 +346,6 @@ class InferenceConfig(Section):
     """Extra command-line arguments for the vLLM server."""
 
 
-class CkptConfig(Section):
-    interval: int | None = Field(None, ge=1)
-    """Checkpoint every this many steps; None = never."""
-
-    keep_last: int | None = Field(None, ge=1)
-    """Keep this many recent checkpoints; None = all."""
-
-    keep_interval: int | None = Field(None, ge=1)
-    """Keep every checkpoint whose step is a multiple of this, permanently."""
-
-    resume_step: int | None = Field(None, ge=-1)
-    """Step to resume from; -1 = latest; None = start fresh."""
-
-
-class LogConfig(Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    """Log level."""
-
-    json_lines: bool = Field(False, validation_alias=AliasChoices("json", "json_lines"))
-    """Log JSON lines instead of the console format (``--log.json``)."""
-
-
 class WandbConfig(Section):
     project: str
     """W&B project."""
@@ -520,7 +368,7 @@ class RlbusConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     feeder: FeederConfig = Field(default_factory=FeederConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    filter: FilterWorkerConfig = Field(default_factory=FilterWorkerConfig)
+    filter: FilterConfig = Field(default_factory=FilterConfig)
     packer: PackerConfig = Field(default_factory=PackerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)

@@ -5,14 +5,19 @@ Every worker class has ``setup()``, ``run()``, ``close()`` and ``request_stop()`
 """
 
 import asyncio
+import ctypes
 import os
 import signal
 import socket
+from collections.abc import Callable, Coroutine
 from typing import Protocol
 
 from bus.errors import ConfigError
 from bus.streams import Bus
 from workers.config import RlbusConfig
+
+PR_SET_PDEATHSIG = 1
+"""prctl option: the signal a process gets when its parent dies (Linux)."""
 
 
 class Worker(Protocol):
@@ -25,6 +30,18 @@ class Worker(Protocol):
 def consumer_name(role: str, explicit: str | None = None) -> str:
     """A consumer name unique to this process: ``--consumer`` if given, else ``{role}-{host}-{pid}``."""
     return explicit or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """preexec_fn: SIGTERM this child when ``parent_pid`` (the process spawning it) dies; exit at once if it already has."""
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
 
 
 async def connect_bus(config: RlbusConfig, worker: str) -> Bus:
@@ -47,3 +64,17 @@ async def run_worker(worker: Worker) -> int:
     finally:
         await worker.close()
     return 0
+
+
+async def run_until_first(stop: asyncio.Event, *coros: Coroutine) -> None:
+    """Run ``coros`` until one ends or SIGTERM/SIGINT sets ``stop``; cancel the rest, re-raise an error of the first."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(stop.wait()), *(asyncio.create_task(c) for c in coros)]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task in done:
+        task.result()  # a dead follower, engine or child process crashes the worker

@@ -1,6 +1,6 @@
 """What an environment is: a dataset, a prompt per example, a rubric, and (multi-turn) replies between turns.
 
-An env server (``workers/env_server.py``) serves one :class:`Environment` over ZeroMQ; everything
+An env server (``workers/envs/server.py``) serves one :class:`Environment` over ZeroMQ; everything
 that crosses the wire (examples, messages, state) is plain msgpack-able data. Chat messages are
 ``{"role": ..., "content": ...}`` dicts; ``messages`` passed to :meth:`Environment.step` and
 :meth:`Environment.score` is the whole conversation so far (the prompt, every model turn, every env reply).

@@ -9,14 +9,12 @@ import asyncio
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-from bus.errors import RetryableError, RlbusError
-
-if TYPE_CHECKING:
-    from workers.config import RlbusConfig
+from bus.errors import ConfigError, RetryableError, RlbusError
+from workers.config import RlbusConfig
 
 
 class InferenceRequestError(RlbusError):
@@ -53,7 +51,7 @@ class InferenceClient:
                  api_key_var: str | None = None, headers_from_env: dict[str, str] | None = None,
                  backoff_s: float = 0.5):
         if not base_urls:
-            raise ValueError("InferenceClient needs at least one base URL (inference.base_urls)")
+            raise ConfigError("the inference client has no server: set inference.base_urls (or inference.servers)")
         self.base_urls = [u.rstrip("/") for u in base_urls]
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -64,7 +62,7 @@ class InferenceClient:
         self._model_names: dict[int, str] = {}
 
     @classmethod
-    def from_config(cls, config: "RlbusConfig") -> "InferenceClient":
+    def from_config(cls, config: RlbusConfig) -> "InferenceClient":
         cfg = config.inference
         return cls(config.inference_urls(), cfg.request_timeout_s, cfg.max_retries, cfg.api_key_var, cfg.headers_from_env)
 
@@ -160,12 +158,12 @@ def _headers(api_key_var: str | None, headers_from_env: dict[str, str]) -> dict[
     if api_key_var:
         key = os.environ.get(api_key_var)
         if key is None:
-            raise ValueError(f"inference.api_key_var={api_key_var!r} is not set in the environment; export it")
+            raise ConfigError(f"inference.api_key_var={api_key_var!r} is not set in the environment; export it")
         headers["Authorization"] = f"Bearer {key}"
     for name, var in headers_from_env.items():
         value = os.environ.get(var)
         if value is None:
-            raise ValueError(f"inference.headers_from_env[{name!r}] reads ${var}, which is not set; export it")
+            raise ConfigError(f"inference.headers_from_env[{name!r}] reads ${var}, which is not set; export it")
         headers[name] = value
     return headers
 

@@ -1,219 +1,17 @@
-"""``rlbus inference``: an OpenAI-compatible server (aiohttp) over the dynamic-batching engine.
+"""``rlbus inference``: an OpenAI-compatible server that follows ``weights``, on the configured backend.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
-Every JSON response carries ``policy_version``. With ``redis.url`` set the server follows ``weights``
-and publishes ``served``; without it, it serves the model at ``model.path`` as version 0.
-``inference.backend = "vllm"`` hands the role to :mod:`workers.inference.vllm_launcher`.
+``inference.backend = "transformers"`` runs the built-in server (:mod:`workers.inference.transformers_server`);
+``"vllm"`` runs vLLM's server and drives its reloads (:mod:`workers.inference.vllm_launcher`). This module
+stays free of torch so ``rlbus inference --help`` is instant.
 """
 
 import argparse
-import asyncio
-import json
-import signal
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
-from bus.log import get_logger
-
-if TYPE_CHECKING:
-    from workers.config import RlbusConfig
+from workers.config import RlbusConfig
+from workers.inference import vllm_launcher
 
 
-class InferenceServer:
-    """The built-in server: model + engine + HTTP routes + weights follower."""
-
-    def __init__(self, config: "RlbusConfig", host: str, port: int, server_id: str):
-        self.config = config
-        self.host, self.port, self.server_id = host, port, server_id
-        self.log = get_logger(worker="inference", server=server_id, run=config.run.name)
-        self.engine: Any = None
-        self.renderer: Any = None
-        self.bus: Any = None
-        self.follower: Any = None
-        self._runner: web.AppRunner | None = None
-        self._stop = asyncio.Event()
-
-    async def setup(self) -> None:
-        from workers.inference.openai_api import Renderer
-
-        self.engine = await asyncio.to_thread(self._build_engine)
-        self.engine.start()
-        self.renderer = Renderer(self.engine.tokenizer, self.config.model.path)
-        if self.config.redis.url:
-            await self._setup_follower()
-        else:
-            self.log.warning("weights_follow_disabled", reason="redis.url is not set; serving model.path as version 0")
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health),
-        ])
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
-        self.log.info("server_ready", host=self.host, port=self.port, model=self.config.model.path,
-                      policy_version=self.engine.policy_version)
-
-    def _build_engine(self):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        from trainer.model import resolve_dtype
-        from workers.inference.engine import Engine
-
-        hf_logging.disable_progress_bar()
-        cfg = self.config.inference
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = resolve_dtype(self.config.model.dtype, torch.device(device))
-        tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
-        model = AutoModelForCausalLM.from_pretrained(self.config.model.path, dtype=dtype).to(device).eval()
-        eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
-        return Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len,
-                      eos_token_ids={t for t in eos if t is not None})
-
-    async def _setup_follower(self) -> None:
-        from workers.inference.weights_follower import WeightsFollower
-        from workers.lifecycle import connect_bus
-
-        self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
-        self.follower = WeightsFollower(self.bus, self.server_id, self._apply_weights,
-                                        block_ms=self.config.redis.block_ms)
-        await self.follower.start()
-
-    async def _apply_weights(self, event) -> None:
-        """Load one update in place between two decode steps; responses after it carry its step."""
-        model = self.engine.model
-        if event.format == "safetensors":
-            from trainer.weights import read_weights
-
-            tensors = await asyncio.to_thread(read_weights, event.dir, "cpu")
-        else:
-            from trainer.broadcast import receive_weights
-
-            tensors = await asyncio.to_thread(receive_weights, event, "cpu")
-
-        def load() -> None:
-            from trainer.weights import load_tensors_into
-
-            load_tensors_into(model, tensors)
-            self.engine.policy_version = event.step
-
-        await asyncio.wrap_future(self.engine.call_between_steps(load))
-
-    async def run(self) -> None:
-        await run_until_first(self._stop, self._watch_engine(), *([self.follower.run()] if self.follower else []))
-
-    async def _watch_engine(self) -> None:
-        while self.engine.alive:
-            await asyncio.sleep(1.0)
-        raise RuntimeError(f"inference engine stopped: {self.engine.error!r}")
-
-    async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop)
-        if self.bus is not None:
-            await self.bus.close()
-        self.log.info("server_stopped")
-
-    # Routes.
-
-    async def completions(self, request: web.Request) -> web.Response:
-        from workers.inference.openai_api import completion_prompts, sampling_params
-
-        async def handle(body: dict) -> dict:
-            params = sampling_params(body, chat=False)
-            prompts = completion_prompts(body, self.engine.tokenizer)
-            gens = await asyncio.gather(*(self._generate(p, params) for p in prompts))
-            return self.renderer.completion(list(gens), body)
-
-        return await self._respond(request, handle)
-
-    async def chat_completions(self, request: web.Request) -> web.Response:
-        from workers.inference.openai_api import chat_prompt, sampling_params
-
-        async def handle(body: dict) -> dict:
-            params = sampling_params(body, chat=True)
-            gen = await self._generate(chat_prompt(body, self.engine.tokenizer), params)
-            return self.renderer.chat(gen, body)
-
-        return await self._respond(request, handle)
-
-    async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.config.model.path, "object": "model", "owned_by": "rlbus",
-                "max_model_len": self.config.inference.max_model_len}
-        return web.json_response({"object": "list", "data": [card], "policy_version": self.engine.policy_version})
-
-    async def health(self, request: web.Request) -> web.Response:
-        ok = self.engine.alive
-        return web.json_response({"status": "ok" if ok else "engine_dead", "policy_version": self.engine.policy_version,
-                                  "active": self.engine.active, "steps": self.engine.steps,
-                                  "prefills": self.engine.prefills,
-                                  "generated_tokens": self.engine.generated_tokens}, status=200 if ok else 503)
-
-    async def _generate(self, prompt_ids: list[int], params):
-        from workers.inference.openai_api import ApiError
-
-        try:
-            handle = self.engine.submit(prompt_ids, params)
-        except ValueError as e:
-            raise ApiError(str(e)) from e
-        try:
-            return await asyncio.wrap_future(handle.future)
-        except asyncio.CancelledError:
-            handle.cancelled = True  # the client went away: free its batch rows
-            raise
-
-    async def _respond(self, request: web.Request, handle) -> web.Response:
-        from workers.inference.openai_api import ApiError, error_body
-
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ApiError("the request body must be a JSON object")
-            return web.json_response(await handle(body))
-        except json.JSONDecodeError as e:
-            return web.json_response(error_body(f"invalid JSON body: {e}", 400, self.engine.policy_version), status=400)
-        except ApiError as e:
-            return web.json_response(error_body(str(e), e.status, self.engine.policy_version), status=e.status)
-
-
-async def run_until_first(stop: asyncio.Event, *coros: Coroutine) -> None:
-    """Run ``coros`` until one ends or SIGTERM/SIGINT sets ``stop``; cancel the rest, re-raise an error of the first."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(stop.wait()), *(asyncio.create_task(c) for c in coros)]
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-    for task in done:
-        task.result()  # a dead follower, engine or child process crashes the worker
-
-
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
-
-
-async def serve(config: "RlbusConfig", host: str, port: int, server_id: str) -> None:
-    server = InferenceServer(config, host, port, server_id)
-    try:
-        await server.setup()
-        await server.run()
-    finally:
-        await server.close()
-
-
-def parse_args(config: "RlbusConfig", argv: list[str]) -> argparse.Namespace:
+def parse_args(config: RlbusConfig, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rlbus inference", description="OpenAI-compatible inference server")
     parser.add_argument("--port", type=int, default=config.inference.port, help="port (default inference.port)")
     parser.add_argument("--host", default=config.inference.host, help="bind address (default inference.host)")
@@ -223,16 +21,11 @@ def parse_args(config: "RlbusConfig", argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(config: "RlbusConfig", argv: list[str]) -> int:
+def main(config: RlbusConfig, argv: list[str]) -> int:
     """``rlbus inference @ cfg.toml [--port N] [--host H] [--server-id ID]``."""
     args = parse_args(config, argv)
     if config.inference.backend == "vllm":
-        from workers.inference.vllm_launcher import main as vllm_main
+        return vllm_launcher.main(config, args)
+    from workers.inference import transformers_server  # torch and transformers: only once the args are parsed
 
-        return vllm_main(config, args)
-    import torch
-
-    if config.inference.num_threads:
-        torch.set_num_threads(config.inference.num_threads)
-    asyncio.run(serve(config, args.host, args.port, args.server_id))
-    return 0
+    return transformers_server.main(config, args)

@@ -19,17 +19,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from bus.errors import ConfigError
 from bus.log import get_logger
-
-if TYPE_CHECKING:
-    from bus.messages import WeightUpdate
-    from workers.config import RlbusConfig
-
+from bus.messages import WeightUpdate
+from workers.config import RlbusConfig
+from workers.inference.weights_follower import WeightsFollower
+from workers.lifecycle import connect_bus, run_until_first
 
 WORKER_EXTENSION = "workers.inference.vllm_launcher.VllmWorkerExtension"
 """Qualified name of the worker extension vLLM mixes into its workers."""
@@ -51,7 +49,7 @@ class VllmWorkerExtension:
             head.quant_method.process_weights_after_loading(head)
 
 
-def vllm_command(config: "RlbusConfig", host: str, port: int) -> list[str]:
+def vllm_command(config: RlbusConfig, host: str, port: int) -> list[str]:
     """The vLLM server command line for this config."""
     # auto: bfloat16, the dtype vLLM was measured to run with on both CPU and GPU here.
     dtype = config.model.dtype if config.model.dtype != "auto" else "bfloat16"
@@ -71,7 +69,7 @@ def vllm_command(config: "RlbusConfig", host: str, port: int) -> list[str]:
     return cmd + list(extra)
 
 
-def vllm_env(config: "RlbusConfig") -> dict[str, str]:
+def vllm_env(config: RlbusConfig) -> dict[str, str]:
     """Environment of the vLLM process: dev endpoints on, offline, a private cache root, a small CPU KV cache."""
     env = dict(os.environ)
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")
@@ -86,7 +84,7 @@ def vllm_env(config: "RlbusConfig") -> dict[str, str]:
 class VllmServer:
     """A vLLM child process plus the weights follower that reloads it."""
 
-    def __init__(self, config: "RlbusConfig", host: str, port: int, server_id: str):
+    def __init__(self, config: RlbusConfig, host: str, port: int, server_id: str):
         if config.trainer.weight_transport == "nccl":
             raise ConfigError("inference.backend='vllm' reloads weights from safetensors only; set "
                               "trainer.weight_transport='safetensors'")
@@ -120,7 +118,7 @@ class VllmServer:
         except aiohttp.ClientError:
             return False
 
-    async def reload(self, event: "WeightUpdate") -> None:
+    async def reload(self, event: WeightUpdate) -> None:
         """Load a safetensors update into vLLM in place, keeping in-flight requests."""
         if event.format != "safetensors":
             raise ValueError(f"weights step {event.step} came as {event.format!r}; vLLM here reloads safetensors only")
@@ -145,14 +143,9 @@ class VllmServer:
             return True
 
     async def run(self) -> None:
-        from workers.inference.server import run_until_first
-
         await run_until_first(self._stop, self._watch(), *([self._follow()] if self.config.redis.url else []))
 
     async def _follow(self) -> None:
-        from workers.inference.weights_follower import WeightsFollower
-        from workers.lifecycle import connect_bus
-
         self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
         follower = WeightsFollower(self.bus, self.server_id, self.reload, block_ms=self.config.redis.block_ms)
         await follower.start()
@@ -184,7 +177,7 @@ async def _serve(server: VllmServer) -> None:
         await server.close()
 
 
-def main(config: "RlbusConfig", args: argparse.Namespace) -> int:
+def main(config: RlbusConfig, args: argparse.Namespace) -> int:
     """Run vLLM for ``rlbus inference`` (``args`` parsed by :func:`workers.inference.server.parse_args`)."""
     asyncio.run(_serve(VllmServer(config, args.host, args.port, args.server_id)))
     return 0

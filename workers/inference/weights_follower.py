@@ -6,7 +6,7 @@ nccl/gloo broadcast cannot be joined late), then ``served`` is published once. W
 every nccl event is joined in order (the trainer waits for all receivers); runs of safetensors events
 collapse to the newest.
 
-Eval hold: while the run's state field ``eval:hold`` (:data:`workers.eval.EVAL_HOLD_FIELD`) is set,
+Eval hold: while the run's state field ``eval:hold`` (:data:`bus.state.EVAL_HOLD_FIELD`) is set,
 no safetensors update with ``step > hold`` is served: the follower stops reading at the first such
 event (``last_id`` stays before it) and re-checks the hold every ``block_ms``, so the eval of step
 ``hold`` runs on exactly that version. nccl events are never held (the trainer waits on the broadcast).
@@ -20,8 +20,9 @@ from bus.errors import DecodeError
 from bus.log import get_logger
 from bus.messages import WeightUpdate, decode
 from bus.policy import publish_served
+from bus.resp import as_str
+from bus.state import EVAL_HOLD_FIELD
 from bus.streams import Bus
-from workers.eval import EVAL_HOLD_FIELD
 
 Apply = Callable[[WeightUpdate], Awaitable[None]]
 """Loads one update into the served model (returns once requests see the new weights)."""
@@ -96,7 +97,7 @@ class WeightsFollower:
                 continue
             if isinstance(message, WeightUpdate) and _held(message, hold):
                 break
-            newest = (raw_id.decode() if isinstance(raw_id, bytes) else raw_id, message)
+            newest = (as_str(raw_id), message)
         return newest
 
     async def _load(self, event: WeightUpdate) -> bool:

@@ -8,6 +8,7 @@ produced = trained + filtered + stale + dead-lettered + in flight, each term cou
 from bus.errors import DecodeError
 from bus.keys import GROUP_FILTER, GROUP_PACKER
 from bus.messages import DeadLetter
+from bus.resp import as_str
 from bus.streams import Bus
 from workers.config import RlbusConfig
 
@@ -42,25 +43,25 @@ async def _count_training(bus: Bus, stream: str, start: str, ids: set[str] | Non
     while True:
         rows = await bus.redis.xrange(stream, min=start, count=500)
         for raw_id, fields in rows:
-            if (ids is None or raw_id.decode() in ids) and b"eval_step" not in fields:
+            if (ids is None or as_str(raw_id) in ids) and b"eval_step" not in fields:
                 count += 1
         if len(rows) < 500:
             return count
-        start = "(" + rows[-1][0].decode()
+        start = "(" + as_str(rows[-1][0])
 
 
 async def _unconsumed(bus: Bus, stream: str, group: str) -> int:
     """Non-eval entries of ``stream`` that ``group`` has not acked: pending plus not yet delivered."""
     if not await bus.redis.exists(stream):
         return 0
-    info = {(g["name"].decode() if isinstance(g["name"], bytes) else g["name"]): g
+    info = {as_str(g["name"]): g
             for g in await bus.redis.xinfo_groups(stream)}
     if group not in info:
         return await _count_training(bus, stream, "-")
     last = info[group]["last-delivered-id"]
-    last = last.decode() if isinstance(last, bytes) else last
+    last = as_str(last)
     pending = await bus.redis.xpending_range(stream, group, min="-", max="+", count=100_000)
-    ids = {(p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"]) for p in pending}
+    ids = {as_str(p["message_id"]) for p in pending}
     undelivered = await _count_training(bus, stream, "(" + last)
     return undelivered + (await _count_training(bus, stream, "-", ids) if ids else 0)
 
@@ -71,13 +72,13 @@ async def dead_groups(bus: Bus) -> int:
     while True:
         rows = await bus.redis.xrange(bus.keys.dead(), min=start, count=500)
         for _, fields in rows:
-            stream = fields.get(b"stream", b"").decode()
+            stream = as_str(fields.get(b"stream", b""))
             family = bus.keys.family(stream) if stream.startswith(bus.keys.prefix) else ""
             if family in ("rollouts", "filtered") and "eval_step" not in _original_fields(fields):
                 count += 1
         if len(rows) < 500:
             return count
-        start = "(" + rows[-1][0].decode()
+        start = "(" + as_str(rows[-1][0])
 
 
 def _original_fields(fields: dict) -> dict:

@@ -2,7 +2,7 @@
 
 A member of consumer group ``rollout`` on every env's task stream. Up to
 ``rollout.max_concurrent_groups`` groups run at once; each waits on the staleness gate, plays its
-episodes (:mod:`workers.episode`) and commits the RolloutGroup together with the task's XACK in
+episodes (:mod:`workers.stages.episode`) and commits the RolloutGroup together with the task's XACK in
 one MULTI, so a group is published once or not at all. A group waiting at the gate holds no slot:
 otherwise training tasks blocked while the eval hold pins ``served`` would fill every slot and the
 eval tasks that release the hold could never start (a deadlock). The feeder's ``inflight`` cap
@@ -27,12 +27,14 @@ from bus.keys import GROUP_ROLLOUT
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Task
 from bus.policy import PolicyTracker
+from bus.state import release_inflight
 from bus.streams import Bus, Entry
 from workers.config import EnvConfig, EvalEnvConfig, RlbusConfig, SamplingConfig
-from workers.episode import ChatTokens, GroupRunner
-from workers.feeder import release_inflight
-from workers.gate import StalenessGate
+from workers.envs.server import EnvHandle
+from workers.inference.client import InferenceClient
 from workers.lifecycle import connect_bus, consumer_name, run_worker
+from workers.stages.episode import ChatTokens, GroupRunner
+from workers.stages.gate import StalenessGate
 
 
 class RolloutWorker:
@@ -64,11 +66,6 @@ class RolloutWorker:
         self._stop.set()
 
     async def setup(self) -> None:
-        from transformers import AutoTokenizer
-
-        from workers.env_server import EnvHandle
-        from workers.inference.client import InferenceClient
-
         cfg = self.config
         self.bus = await connect_bus(cfg, self.worker)
         self.streams = [self.bus.keys.tasks(name) for name in self.envs]
@@ -78,6 +75,8 @@ class RolloutWorker:
             *(EnvHandle.start(env, timeout_s=cfg.rollout.env_timeout_s) for env in self.envs.values())
         )
         self.handles = dict(zip(self.envs, handles, strict=True))
+        from transformers import AutoTokenizer  # heavy: only once the worker really starts
+
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.path)
         chat = ChatTokens(tokenizer)
         client = self._client(InferenceClient, cfg.inference_urls(), "inference.base_urls")

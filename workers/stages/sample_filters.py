@@ -5,19 +5,37 @@ just annotates them (``sample.flags[type] = True``) and counts. Advantages are c
 any filter runs, so a dropped sample's reward still counted in its group's baseline.
 """
 
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from bus.errors import ConfigError
 from bus.messages import Sample
 from workers.config import (
-    FilterConfig,
     GibberishFilterConfig,
     RepetitionFilterConfig,
+    SampleFilterConfig,
     ZeroAdvantageFilterConfig,
 )
+
+
+def model_vocab_size(model_path: str) -> int:
+    """``vocab_size`` of the model (its config.json), needed by the gibberish filter."""
+    config_file = Path(model_path) / "config.json"
+    if config_file.exists():
+        return int(json.loads(config_file.read_text())["vocab_size"])
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(model_path).vocab_size)
+    except OSError as e:
+        raise ConfigError(
+            f"model.path={model_path!r} has no config.json; point model.path at a model folder"
+        ) from e
 
 
 def is_gibberish(sample: Sample, cfg: GibberishFilterConfig, vocab_size: int) -> bool:
@@ -53,7 +71,7 @@ def is_zero_advantage(sample: Sample) -> bool:
     return sample.advantage == 0.0
 
 
-def flag(sample: Sample, cfg: FilterConfig, vocab_size: int) -> bool:
+def flag(sample: Sample, cfg: SampleFilterConfig, vocab_size: int) -> bool:
     """Whether filter ``cfg`` flags ``sample``."""
     if isinstance(cfg, GibberishFilterConfig):
         return is_gibberish(sample, cfg, vocab_size)
@@ -86,7 +104,7 @@ class FilterCounts:
         return out
 
 
-def active_filters(filters: list[FilterConfig], mode: str) -> list[FilterConfig]:
+def active_filters(filters: list[SampleFilterConfig], mode: str) -> list[SampleFilterConfig]:
     """The filters that apply to a group of ``mode``: zero_advantage only to rl groups (others have no advantage)."""
     if mode == "rl":
         return filters
@@ -94,7 +112,7 @@ def active_filters(filters: list[FilterConfig], mode: str) -> list[FilterConfig]
 
 
 def apply_filters(
-    samples: list[Sample], filters: list[FilterConfig], vocab_size: int
+    samples: list[Sample], filters: list[SampleFilterConfig], vocab_size: int
 ) -> tuple[list[Sample], FilterCounts]:
     """Annotate every sample with each filter's verdict; return the samples no enforcing filter flagged.
 

@@ -30,7 +30,7 @@ from bus.rpc import RpcClient, RpcServer
 from workers.config import EnvConfig, RlbusConfig
 from workers.envs.base import Environment
 from workers.envs.registry import load_env
-from workers.supervisor import die_with_parent
+from workers.lifecycle import die_with_parent, run_worker
 
 
 def build_env(env_config: EnvConfig) -> Environment:
@@ -91,7 +91,6 @@ def _env_config(config: RlbusConfig | None, args: argparse.Namespace) -> EnvConf
 
 def main(config: RlbusConfig | None, argv: list[str]) -> int:
     """``rlbus env``: serve one environment until SIGTERM/SIGINT."""
-    from workers.lifecycle import run_worker
 
     parser = argparse.ArgumentParser(prog="rlbus env", description="Serve one environment over ZeroMQ RPC.")
     parser.add_argument("--name", help="the [[env]] of the config to serve (with --id: its display name)")

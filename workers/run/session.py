@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,20 +28,28 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.live import Live
+
 from bus.errors import ConfigError, RlbusError
-from bus.local_redis import free_port
+from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv
 from bus.log import get_logger
 from bus.messages import Metric
+from bus.state import STOP_REASON_FIELD
 from bus.streams import Bus
-from workers.accounting import group_counts
 from workers.config import RlbusConfig
-from workers.filter import STOP_REASON_FIELD
-from workers.supervisor import ChildSpec, Supervisor
+from workers.envs.registry import load_env
+from workers.run.accounting import group_counts
+from workers.run.eval import EvalCoordinator
+from workers.run.metrics import MetricsWriter
+from workers.run.report import build_summary, summary_text, write_report, write_summary
+from workers.run.status import RunProbe, plain_line, render
+from workers.run.supervisor import ChildSpec, Supervisor
 
 RUN_STATE = ("redis", "weights", "checkpoints", "logs", "wandb", "metrics.jsonl", "summary.json", "report.png")
 """What a fresh run clears from output_dir (a resumed run keeps it)."""
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # Resolved config as TOML (children read it with `@ file`).
@@ -196,16 +205,13 @@ class RunSession:
                 "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
     async def start_redis(self) -> str:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise ConfigError("redis-server is not on PATH; install it (apt-get install -y redis-server) or set redis.url")
+        binary = redis_binary()
         port, data_dir = free_port(), (self.output_dir / "redis").resolve()
         data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--appendonly", "yes",
-                "--save", "", "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"]
+        argv = redis_server_argv(binary, port, data_dir)
         self.sup.start(ChildSpec("redis", "redis", argv, stop_order=2))
         url = f"redis://127.0.0.1:{port}/0"
-        await self._wait(lambda: _redis_ready(url), "redis-server", 30.0, "redis")
+        await self._wait(lambda: redis_answers(url), "redis-server", 30.0, "redis")
         return url
 
     def init_model(self) -> None:
@@ -322,16 +328,11 @@ class RunSession:
         """The eval coordinator (None without [[eval.env]]); sets the first eval hold before any server starts."""
         if not self.config.eval.env:
             return None
-        from workers.eval import EvalCoordinator
-
         evaluator = EvalCoordinator(self.config, bus, eval_sizes(self.config))
         await evaluator.setup()
         return evaluator
 
     async def watch(self, bus: Bus, evaluator) -> int:
-        from workers.metrics_writer import MetricsWriter
-        from workers.status import RunProbe
-
         probe = RunProbe(self.config, bus)
         writer = MetricsWriter(self.output_dir, self.config.run.name, self.config.wandb,
                                self.config.model_dump(mode="json"))
@@ -352,11 +353,6 @@ class RunSession:
         return await self.finish(bus, probe, writer.rows)
 
     async def _loop(self, bus: Bus, probe, evaluator) -> None:
-        from rich.console import Console
-        from rich.live import Live
-
-        from workers.status import plain_line, render
-
         max_steps = self.config.run.max_steps
         done_at: float | None = None
         last_line_step = -1
@@ -411,8 +407,6 @@ class RunSession:
             await evaluator.collect(block_ms=500)
 
     async def finish(self, bus: Bus, probe, rows: list[dict]) -> int:
-        from workers.report import build_summary, summary_text, write_report, write_summary
-
         snap = await probe.snapshot()
         summary = build_summary(
             rows, run=self.config.run.name, steps_trained=snap.trained, max_steps=self.config.run.max_steps,
@@ -435,8 +429,6 @@ class RunSession:
 
 def eval_sizes(config: RlbusConfig) -> dict[str, int]:
     """Examples in each eval env's dataset (built in-process: envs are plain Python)."""
-    from workers.envs.registry import load_env
-
     return {env.resolved_name: len(load_env(env.id, env.args)) for env in config.eval.env}
 
 
@@ -445,16 +437,6 @@ def _tail(path: Path | str, lines: int = 20) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def _redis_ready(url: str) -> bool:
-    import redis
-
-    try:
-        with redis.Redis.from_url(url, socket_connect_timeout=0.5) as client:
-            return bool(client.ping())
-    except redis.RedisError:
-        return False
 
 
 def _http_ok(url: str) -> bool:
@@ -466,8 +448,6 @@ def _http_ok(url: str) -> bool:
 
 
 def _port_free(host: str, port: int) -> bool:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

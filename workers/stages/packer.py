@@ -5,7 +5,7 @@ prefetch_steps``. A step takes whole groups: ``batch_size`` samples, or up to
 ``token_batch_size`` tokens (the group that would overflow waits for the next step). Groups
 whose start policy version is older than ``s − max_off_policy_steps`` are dropped as stale at
 once (ack, a ``packer/stale_groups`` metric for step ``s`` and the in-flight release, one commit).
-The post-batch filters run on the assembled batch, then :func:`workers.packing.pack_step`.
+The post-batch filters run on the assembled batch, then :func:`workers.stages.packing.pack_step`.
 
 In flight: the packer ends the life of every group it consumes (packed, stale, or removed by the
 post-batch filters), so its commits lower the feeder's ``inflight`` count by those groups'
@@ -35,18 +35,15 @@ from dataclasses import dataclass
 from bus.errors import ConfigError, DecodeError
 from bus.keys import GROUP_PACKER
 from bus.log import get_logger
-from bus.messages import Metric, Mode, RolloutGroup, Sample, decode
+from bus.messages import Metric, RolloutGroup, Sample, decode
 from bus.policy import PolicyTracker
+from bus.resp import as_str
+from bus.state import INFLIGHT_FIELD, LAST_STEP_FIELD, release_inflight
 from bus.streams import Bus, CommitConflict, Entry
 from workers.config import RlbusConfig
-from workers.feeder import INFLIGHT_FIELD, release_inflight
-from workers.filter import model_vocab_size
-from workers.filters import FilterCounts, active_filters, apply_filters
 from workers.lifecycle import connect_bus, run_worker
-from workers.packing import pack_step
-
-LAST_STEP_FIELD = "packer:last_step"
-"""State hash field: the last step whose micro-batches the packer published."""
+from workers.stages.packing import pack_step
+from workers.stages.sample_filters import FilterCounts, active_filters, apply_filters, model_vocab_size
 
 PAUSE_ENV = "RLBUS_TEST_PAUSE_BEFORE_COMMIT_S"
 """Test hook: seconds to sleep between assembling a step and committing it (a window to kill -9 in)."""
@@ -156,7 +153,7 @@ class PackerWorker:
                 if not items:
                     del self._replay[stream]
                     continue
-                self._replay[stream] = _text(items[-1][0])
+                self._replay[stream] = as_str(items[-1][0])
                 await self._hold_raw(stream, items)
             return
         entries: list[Entry] = []
@@ -174,7 +171,7 @@ class PackerWorker:
 
     async def _hold_raw(self, stream: str, items: list) -> None:
         for raw_id, fields in items:
-            entry_id = _text(raw_id)
+            entry_id = as_str(raw_id)
             if fields is None:  # trimmed while pending: nothing left to train on
                 await self.bus.ack(stream, GROUP_PACKER, [entry_id])
                 continue
@@ -268,10 +265,8 @@ class PackerWorker:
             self.log.info("partial_step", step=step, samples=_samples(self.held), max_inflight=self.max_inflight,
                           hint="feeder.max_inflight_rollouts is reached and every in-flight sample is here")
         taken = self._take()
-        samples, modes, rewards, counts = self._filter(taken)
-        batches, stats = pack_step(
-            samples, modes, step=step, seq_len=self.cfg.seq_len, dp_size=self.config.trainer.nproc
-        )
+        samples, rewards, counts = self._filter(taken)
+        batches, stats = pack_step(samples, step=step, seq_len=self.cfg.seq_len, dp_size=self.config.trainer.nproc)
         values = counts.metrics("packer/filter") | {
             "packer/groups": float(len(taken)),
             "packer/samples": float(stats.samples),
@@ -305,9 +300,9 @@ class PackerWorker:
             truncated=stats.truncated,
         )
 
-    def _filter(self, taken: list[Held]) -> tuple[list[Sample], list[Mode], list[float], FilterCounts]:
-        """The post-batch filters over the taken groups: kept samples, their modes, every reward, the counts."""
-        samples, modes, rewards, counts = [], [], [], FilterCounts()
+    def _filter(self, taken: list[Held]) -> tuple[list[Sample], list[float], FilterCounts]:
+        """The post-batch filters over the taken groups: kept samples, every reward, the counts."""
+        samples, rewards, counts = [], [], FilterCounts()
         for held in taken:
             group = held.group
             rewards += [s.reward for s in group.samples]
@@ -315,8 +310,7 @@ class PackerWorker:
             kept, group_counts = apply_filters(group.samples, filters, self.vocab_size)
             counts.add(group_counts)
             samples += kept
-            modes += [group.mode] * len(kept)
-        return samples, modes, rewards, counts
+        return samples, rewards, counts
 
     async def _commit(self, step: int, acks: list, outputs: list, released: int) -> bool:
         """The guarded commit (``released``: in-flight samples it ends); False when another packer built the step."""
@@ -346,10 +340,6 @@ class PackerWorker:
                 )
                 await self._restart_from_redis()
                 return False
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _samples(held: list[Held]) -> int:

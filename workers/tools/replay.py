@@ -14,6 +14,7 @@ import redis
 
 from bus.errors import ConfigError
 from bus.keys import Keys
+from bus.resp import as_str
 from workers.config import RlbusConfig
 
 CHUNK = 500
@@ -23,7 +24,7 @@ def source_streams(client: redis.Redis, src: Keys, family: str, env: str | None)
     """The streams of run ``src`` to copy, in order (batches by step number)."""
     if family == "rollouts" and env is not None:
         return [src.rollouts(env)] if client.exists(src.rollouts(env)) else []
-    found = [k.decode() for k in client.scan_iter(match=f"{src.prefix}{family}:*", count=1000)]
+    found = [as_str(k) for k in client.scan_iter(match=f"{src.prefix}{family}:*", count=1000)]
     found = [k for k in found if client.type(k) == b"stream"]
     if family == "batches":
         return sorted(found, key=lambda k: int(src.suffix(k)))
@@ -44,7 +45,7 @@ def copy_stream(client: redis.Redis, src: Keys, dst: Keys, stream: str, start: s
         copied += len(rows)
         if len(rows) < CHUNK:
             return copied
-        low = "(" + rows[-1][0].decode()
+        low = "(" + as_str(rows[-1][0])
 
 
 def replay(client: redis.Redis, from_run: str, to_run: str, family: str, env: str | None = None,

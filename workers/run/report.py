@@ -1,6 +1,6 @@
 """The end of a run: ``summary.json`` (what happened, in numbers) and ``report.png`` (the curves).
 
-Both are built from the rows of ``metrics.jsonl`` (see :mod:`workers.metrics_writer`) plus the
+Both are built from the rows of ``metrics.jsonl`` (see :mod:`workers.run.metrics`) plus the
 group counts. Metric names: the trainer's ``reward_mean`` and ``tokens_per_s``, the packer's
 ``packer/groups``, ``packer/stale_groups`` and ``packer/tokens`` per step, the eval's ``eval/{env}/…``.
 """

@@ -11,7 +11,6 @@ is restarted after an exponential backoff; one that exits 0 has finished and sta
     sup.stop_all()
 """
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
+from workers.lifecycle import die_with_parent
 
 
 @dataclass
@@ -58,18 +57,6 @@ class Child:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-
-def die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: SIGTERM this child when ``parent_pid`` (the process spawning it) dies; exit at once if it already has."""
-
-    def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return preexec
 
 
 class Supervisor:

@@ -17,13 +17,10 @@ from pydantic import BaseModel
 from bus.errors import ConfigError, DecodeError
 from bus.keys import Keys
 from bus.messages import decode
+from bus.resp import as_str
 from workers.config import RlbusConfig
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
-
-
-def _s(value: Any) -> Any:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _id_ms(entry_id: str) -> int:
@@ -36,20 +33,20 @@ def stream_report(client: redis.Redis, key: str, now_ms: int) -> dict[str, Any]:
     report: dict[str, Any] = {
         "key": key,
         "length": info["length"],
-        "first_id": _s(info["first-entry"][0]) if info.get("first-entry") else None,
-        "last_id": _s(info["last-generated-id"]),
+        "first_id": as_str(info["first-entry"][0]) if info.get("first-entry") else None,
+        "last_id": as_str(info["last-generated-id"]),
         "groups": [],
     }
     for group in client.xinfo_groups(key):
-        name = _s(group["name"])
+        name = as_str(group["name"])
         consumers = [
-            {"name": _s(c["name"]), "pending": c["pending"], "idle_ms": c["idle"]}
+            {"name": as_str(c["name"]), "pending": c["pending"], "idle_ms": c["idle"]}
             for c in client.xinfo_consumers(key, name)
         ]
         oldest_age_s = oldest_idle_ms = None
         if group["pending"]:
             first = client.xpending_range(key, name, min="-", max="+", count=1)[0]
-            oldest_age_s = round((now_ms - _id_ms(_s(first["message_id"]))) / 1000, 3)
+            oldest_age_s = round((now_ms - _id_ms(as_str(first["message_id"]))) / 1000, 3)
             oldest_idle_ms = first["time_since_delivered"]
         report["groups"].append(
             {
@@ -57,7 +54,7 @@ def stream_report(client: redis.Redis, key: str, now_ms: int) -> dict[str, Any]:
                 "consumers": consumers,
                 "lag": group.get("lag"),
                 "pending": group["pending"],
-                "last_delivered_id": _s(group["last-delivered-id"]),
+                "last_delivered_id": as_str(group["last-delivered-id"]),
                 "oldest_pending_age_s": oldest_age_s,
                 "oldest_pending_idle_ms": oldest_idle_ms,
             }
@@ -70,9 +67,9 @@ def run_report(client: redis.Redis, keys: Keys) -> dict[str, Any]:
     seconds, micros = client.time()
     now_ms = seconds * 1000 + micros // 1000
     stream_keys = sorted(
-        _s(k) for k in client.scan_iter(match=keys.pattern(), count=1000, _type="stream")
+        as_str(k) for k in client.scan_iter(match=keys.pattern(), count=1000, _type="stream")
     )
-    state = {_s(k): _s(v) for k, v in client.hgetall(keys.state()).items()}
+    state = {as_str(k): as_str(v) for k, v in client.hgetall(keys.state()).items()}
     return {
         "run": keys.run,
         "streams": [{"name": k[len(keys.prefix) :], **stream_report(client, k, now_ms)} for k in stream_keys],
@@ -103,12 +100,12 @@ def tail(client: redis.Redis, keys: Keys, stream: str, count: int) -> dict[str, 
         raise ConfigError(f"run {keys.run!r} has no stream {stream!r}; `rlbus inspect --run {keys.run}` lists them")
     entries = []
     for raw_id, fields in reversed(client.xrevrange(key, count=count)):
-        headers = {_s(k): _s(v) for k, v in fields.items() if k != b"data"}
+        headers = {as_str(k): as_str(v) for k, v in fields.items() if k != b"data"}
         try:
             message: Any = summarize(decode(fields))
         except DecodeError as e:
             message = {"decode_error": str(e)}
-        entries.append({"id": _s(raw_id), "headers": headers, "message": message})
+        entries.append({"id": as_str(raw_id), "headers": headers, "message": message})
     return {"run": keys.run, "stream": key, "entries": entries}
 
 

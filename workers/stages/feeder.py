@@ -11,7 +11,7 @@
   subtracts the samples of every group it consumes (packed, stale, post-batch filtered), the
   filter the samples its enforced pre-batch filters drop, and a dead-lettered training task or
   group gives its samples back in its dead-letter commit (the rollout worker's own, and
-  ``Bus.reclaim`` with the :func:`release_inflight` hook). Eval tasks never count. The feeder
+  ``Bus.reclaim`` with the :func:`bus.state.release_inflight` hook). Eval tasks never count. The feeder
   issues a task only while ``inflight + group_size ≤ max_inflight_rollouts``; otherwise it blocks (XREAD BLOCK) on the
   streams written in the same MULTI as each decrement: ``metrics`` (every filter and packer
   commit writes one) and ``dead``.
@@ -23,44 +23,17 @@
 import argparse
 import asyncio
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from redis.asyncio.client import Pipeline
 
 from bus.errors import ConfigError
 from bus.log import get_logger
-from bus.messages import RolloutGroup, Task
-from bus.streams import Bus, CommitConflict, Entry
+from bus.messages import Task
+from bus.resp import as_str
+from bus.state import INFLIGHT_FIELD, cursor_field, epoch_field
+from bus.streams import Bus, CommitConflict
 from workers.config import RlbusConfig
+from workers.envs.server import EnvHandle
 from workers.lifecycle import connect_bus, consumer_name, run_worker
-
-INFLIGHT_FIELD = "inflight"
-"""State hash field: samples issued by the feeder and not yet consumed by the packer (dropped, dead-lettered)."""
-
-
-def release_inflight(state_key: str) -> Callable[[Entry, Pipeline], None]:
-    """An ``on_dead`` hook for Bus.reclaim: a training task or group dead-lettered between the feeder and
-    the packer gives its samples back to the in-flight count (eval work never counted)."""
-
-    def release(entry: Entry, pipe: Pipeline) -> None:
-        message = entry.message
-        if isinstance(message, Task) and message.eval_step is None:
-            pipe.hincrby(state_key, INFLIGHT_FIELD, -message.group_size)
-        elif isinstance(message, RolloutGroup) and message.eval_step is None:
-            pipe.hincrby(state_key, INFLIGHT_FIELD, -len(message.samples))
-
-    return release
-
-
-def cursor_field(env: str) -> str:
-    """State hash field holding the next position within the current epoch of ``env``."""
-    return f"feeder:cursor:{env}"
-
-
-def epoch_field(env: str) -> str:
-    """State hash field holding the current epoch of ``env``."""
-    return f"feeder:epoch:{env}"
 
 
 def epoch_order(size: int, seed: int, env: str, epoch: int, shuffle: bool = True) -> list[int]:
@@ -148,8 +121,6 @@ class FeederWorker:
 
     async def _dataset_sizes(self) -> dict[str, int]:
         """Each env server's dataset size (spawning the servers that have no address)."""
-        from workers.env_server import EnvHandle
-
         sizes = {}
         for env in self.config.env:
             handle = await EnvHandle.start(env, timeout_s=self.config.rollout.env_timeout_s)
@@ -164,7 +135,7 @@ class FeederWorker:
         values = await self.bus.redis.hmget(self.bus.keys.state(), fields)
         for i, c in enumerate(self.cursors):
             raw_cursor, raw_epoch = values[2 * i], values[2 * i + 1]
-            c.stored = raw_cursor.decode() if raw_cursor is not None else None
+            c.stored = as_str(raw_cursor) if raw_cursor is not None else None
             c.position = int(raw_cursor) if raw_cursor is not None else 0
             c.epoch = int(raw_epoch) if raw_epoch is not None else 0
             if c.position >= c.size:

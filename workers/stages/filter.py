@@ -15,45 +15,22 @@ metric and exits with :class:`CollapseError`.
 
 import argparse
 import asyncio
-import json
 import sys
 import time
-from pathlib import Path
 
 from bus.errors import CollapseError, ConfigError
 from bus.keys import GROUP_FILTER
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup
+from bus.state import INFLIGHT_FIELD, STOP_REASON_FIELD, STREAK_FIELD, release_inflight
 from bus.streams import Bus, Entry
-from workers.advantages import assign_advantages, zero_variance
 from workers.config import RlbusConfig
-from workers.feeder import INFLIGHT_FIELD, release_inflight
-from workers.filters import FilterCounts, active_filters, apply_filters
 from workers.lifecycle import connect_bus, consumer_name, run_worker
-
-STREAK_FIELD = "zero_variance_streak"
-"""State hash field: consecutive rl groups (of ≥ 2 samples) with zero reward variance."""
-
-STOP_REASON_FIELD = "stop_reason"
-"""State hash field: why the run stopped (read by ``rlbus run`` and ``rlbus status``)."""
+from workers.stages.advantages import assign_advantages, zero_variance
+from workers.stages.sample_filters import FilterCounts, active_filters, apply_filters, model_vocab_size
 
 COLLAPSE_EXIT_CODE = 3
 """Exit status of a filter that stopped the run for collapse (the supervisor must not restart it)."""
-
-
-def model_vocab_size(model_path: str) -> int:
-    """``vocab_size`` of the model (its config.json), needed by the gibberish filter."""
-    config_file = Path(model_path) / "config.json"
-    if config_file.exists():
-        return int(json.loads(config_file.read_text())["vocab_size"])
-    from transformers import AutoConfig
-
-    try:
-        return int(AutoConfig.from_pretrained(model_path).vocab_size)
-    except OSError as e:
-        raise ConfigError(
-            f"model.path={model_path!r} has no config.json; point model.path at a model folder"
-        ) from e
 
 
 def collapse_message(streak: int, limit: int) -> str:

@@ -25,17 +25,10 @@ from bus.keys import GROUP_EVAL
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Task
 from bus.policy import PolicyTracker
+from bus.resp import as_str
+from bus.state import EVAL_HOLD_FIELD, eval_done_field, eval_issued_field
 from bus.streams import Bus
 from workers.config import EvalEnvConfig, RlbusConfig
-
-ISSUED_FIELD = "eval:issued:{env}"
-"""State hash field: the last eval step whose tasks were published for ``env``."""
-
-DONE_FIELD = "eval:done:{env}"
-"""State hash field: the last eval step of ``env`` whose metrics were published."""
-
-EVAL_HOLD_FIELD = "eval:hold"
-"""State hash field: inference servers serve no weights newer than this step (absent: no hold)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -140,7 +133,7 @@ class EvalCoordinator:
         """Set ``eval:hold`` to the next eval step some env has not finished (delete it when none is left)."""
         nexts = []
         for name, env in self.envs.items():
-            raw = await self.bus.state_get(DONE_FIELD.format(env=name))
+            raw = await self.bus.state_get(eval_done_field(name))
             nexts.append(next_eval_step(None if raw is None else int(raw), self.config.eval_interval(env),
                                         self.config.run.max_steps, self.config.eval.skip_first_step))
         hold = min((n for n in nexts if n is not None), default=None)
@@ -154,7 +147,7 @@ class EvalCoordinator:
         """Publish the eval tasks of the newest due eval step of each env (once per step)."""
         await self.tracker.refresh()
         for name, env in self.envs.items():
-            field_name = ISSUED_FIELD.format(env=name)
+            field_name = eval_issued_field(name)
             raw = await self.bus.state_get(field_name)
             issued = int(raw) if raw is not None else None
             step = eval_steps_due(self.tracker.trained, issued, self.config.eval_interval(env),
@@ -178,14 +171,14 @@ class EvalCoordinator:
             GROUP_EVAL, self.consumer, {s: ">" for s in self.streams}, count=256, block=block_ms
         )
         for stream, items in reply or []:
-            await self._take(stream.decode() if isinstance(stream, bytes) else stream, items)
+            await self._take(as_str(stream), items)
         for key in [k for k, p in self.pending.items() if len(p.groups) >= p.expected]:
             await self._finish(*key)
 
     async def _take(self, stream: str, items: list) -> None:
         skip = []
         for raw_id, fields in items:
-            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+            entry_id = as_str(raw_id)
             if not fields or b"eval_step" not in fields:
                 skip.append(entry_id)
                 continue
@@ -206,7 +199,7 @@ class EvalCoordinator:
         values[f"eval/{env}/policy_version_max"] = float(max(versions))
         values[f"eval/{env}/seconds"] = time.monotonic() - pending.started
         acks = [(stream, GROUP_EVAL, entry_id) for stream, entry_id in pending.entries]
-        done = DONE_FIELD.format(env=env)
+        done = eval_done_field(env)
         await self.bus.commit(acks, [(self.bus.keys.metrics(), Metric(source="eval", step=step, values=values))],
                               extra=lambda pipe: pipe.hset(self.bus.keys.state(), done, step))
         self.finished.add((env, step))

@@ -11,10 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bus.messages import MicroBatch, Mode, Sample
-
-MODE_ORDER: tuple[Mode, ...] = ("rl", "opd", "sft")
-"""Order of the modes' micro-batches within a step."""
+from bus.messages import MODES, MicroBatch, Mode, Sample
 
 PAD_TOKEN_ID = 0
 """Token id of the dummy token in a padding micro-batch (never trained on)."""
@@ -99,7 +96,7 @@ def plan(lengths: list[int], modes: list[Mode], seq_len: int, dp_size: int) -> l
     Modes never mix; the number of entries is a multiple of ``dp_size``.
     """
     bins: list[tuple[Mode, list[int]]] = []
-    for mode in MODE_ORDER:
+    for mode in MODES:
         members = [i for i, m in enumerate(modes) if m == mode]
         for b in first_fit_decreasing([lengths[i] for i in members], seq_len):
             bins.append((mode, sorted(members[j] for j in b)))
@@ -176,9 +173,9 @@ def padding_micro_batch(*, step: int, index: int, count: int, mode: Mode) -> Mic
 
 
 def pack_step(
-    samples: list[Sample], modes: list[Mode], *, step: int, seq_len: int, dp_size: int
+    samples: list[Sample], *, step: int, seq_len: int, dp_size: int
 ) -> tuple[list[MicroBatch], PackStats]:
-    """Truncate, plan and build every micro-batch of step ``step``."""
+    """Truncate, plan and build every micro-batch of step ``step`` (each sample's own mode picks its micro-batch)."""
     stats = PackStats(samples=len(samples))
     cut: list[Sample] = []
     for sample in samples:
@@ -186,7 +183,7 @@ def pack_step(
         stats.truncated += was_cut
         cut.append(short)
     lengths = [s.num_tokens for s in cut]
-    bins = plan(lengths, modes, seq_len, dp_size)
+    bins = plan(lengths, [s.mode for s in cut], seq_len, dp_size)
     count = len(bins)
     batches = [
         build_micro_batch([cut[i] for i in members], step=step, index=index, count=count, mode=mode)

@@ -13,10 +13,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from workers.config import RlbusConfig
+from bus.errors import ConfigError
+from workers.config import RlbusConfig
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 """Special tokens, ids 256, 257, 258 (after the 256 byte tokens)."""
@@ -75,7 +74,7 @@ def _byte_alphabet() -> list[str]:
 def build_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0) -> Path:
     """Write tokenizer + random-init Qwen3 of ``preset`` to ``out_dir`` (atomically) and return the path."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; use one of {sorted(PRESETS)}")
+        raise ConfigError(f"unknown model preset {preset!r}; use one of {sorted(PRESETS)}")
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
     from transformers.utils import logging as hf_logging
@@ -119,14 +118,14 @@ def ensure_model(path: Path | str, preset: str | None, seed: int = 0) -> Path:
     if (out / "config.json").exists():
         return out
     if preset is None:
-        raise FileNotFoundError(
+        raise ConfigError(
             f"model.path={str(out)!r} holds no model (no config.json); run "
             f"`rlbus init-model --out {out}` or set model.init_preset"
         )
     return build_model(out, preset=preset, seed=seed)
 
 
-def main(config: "RlbusConfig | None", argv: list[str]) -> int:
+def main(config: RlbusConfig | None, argv: list[str]) -> int:
     """``rlbus init-model``: build the tokenizer and random-init model folder."""
     parser = argparse.ArgumentParser(prog="rlbus init-model", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=config.model.path if config else None,

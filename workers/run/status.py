@@ -18,6 +18,7 @@ from rich.text import Text
 
 from bus.keys import GROUP_EVAL, GROUP_FILTER, GROUP_PACKER, GROUP_ROLLOUT
 from bus.policy import PolicyTracker
+from bus.resp import as_str
 from bus.streams import Bus
 from workers.config import RlbusConfig
 
@@ -133,7 +134,7 @@ class RunProbe:
                 continue
             length = int(await self.bus.redis.xlen(stream))
             for info in await self.bus.redis.xinfo_groups(stream):
-                name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+                name = as_str(info["name"])
                 if name == group:
                     out.append(StreamLag(keys.family(stream) + ":" + keys.suffix(stream), group, length,
                                          info.get("lag"), int(info["pending"])))

@@ -1,0 +1,135 @@
+"""The trainer's config sections: ``[trainer]`` (with its rl loss) and ``[ckpt]``.
+
+Pure pydantic, no torch: ``--help`` and ``--dry-run`` import this without the trainer's weight.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from bus.config import Section
+
+
+class DppoLossConfig(Section):
+    type: Literal["dppo"] = "dppo"
+    adv_tau: float = Field(1.0, ge=0)
+    """Weight of the advantage term."""
+    kl_tau: float = Field(1e-3, ge=0)
+    """Weight of the (log-ratio)² term."""
+    dppo_mask_low: float = Field(0.2, ge=0)
+    """Mask a token when A ≤ 0 and π−μ < −this."""
+    dppo_mask_high: float = Field(0.2, ge=0)
+    """Mask a token when A > 0 and π−μ > this."""
+
+
+class CispoLossConfig(Section):
+    type: Literal["cispo"] = "cispo"
+    eps_low: float = Field(0.2, ge=0)
+    """Lower clip of the importance ratio: 1 − eps_low."""
+    eps_high: float = Field(0.28, ge=0)
+    """Upper clip of the importance ratio: 1 + eps_high."""
+    kl_tau: float = Field(0.0, ge=0)
+    """Weight of the (log-ratio)² term."""
+
+
+class PpoLossConfig(Section):
+    type: Literal["ppo"] = "ppo"
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip of the ratio: 1 − clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """Upper clip of the ratio: 1 + clip_high."""
+    kl_tau: float = Field(0.0, ge=0)
+    """Weight of the (log-ratio)² term."""
+
+
+class CustomLossConfig(Section):
+    type: Literal["custom"] = "custom"
+    import_path: str
+    """``package.module:function(inputs: LossInputs, **kwargs) -> LossTerms`` (see trainer.losses.dppo_loss)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to the function."""
+
+
+LossConfig = Annotated[
+    DppoLossConfig | CispoLossConfig | PpoLossConfig | CustomLossConfig, Field(discriminator="type")
+]
+
+
+class TrainerConfig(Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device to train on; auto = cuda when available."""
+
+    nproc: int = Field(1, ge=1)
+    """Data-parallel ranks (FSDP2; gloo on CPU)."""
+
+    lr: float = Field(1e-4, ge=0)
+    """Peak learning rate."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+
+    schedule: Literal["constant", "cosine"] = "constant"
+    """LR schedule after warmup."""
+
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Cosine schedule floor as a fraction of lr."""
+
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Gradient clipping norm; None = no clipping."""
+
+    loss: LossConfig = Field(default_factory=DppoLossConfig)
+    """Loss of rl-mode micro-batches (opd and sft have fixed losses)."""
+
+    logprob_chunk_size: int = Field(1024, ge=1)
+    """Tokens per chunk when computing logprobs over the vocabulary (bounds logits memory)."""
+
+    forward_batch: int = Field(1, ge=1)
+    """Micro-batches stacked into one forward/backward pass (rows padded to the longest). Same update; on a GPU,
+    larger values mean fewer, larger kernels (higher utilisation) at the cost of activation memory."""
+
+    compile: bool = False
+    """torch.compile each decoder layer and the chunked logprob head (GPU; the first step compiles)."""
+
+    weight_transport: Literal["safetensors", "nccl"] = "safetensors"
+    """How new weights reach inference servers: safetensors shards on disk, or an nccl/gloo broadcast."""
+
+    nccl_host: str = "127.0.0.1"
+    """Rendezvous host of the weight broadcast."""
+
+    nccl_port: int = Field(29511, ge=1, le=65535)
+    """Rendezvous port of the weight broadcast."""
+
+    max_shard_mb: int = Field(256, ge=1)
+    """Maximum size of one safetensors shard in MiB. Shards are written and hashed in parallel: on an H200,
+    Qwen3-0.6B's 1.11 GiB took 0.64 s to write in 256 MiB shards and 1.55 s as one shard."""
+
+    keep_weights: int = Field(3, ge=1)
+    """Weight directories kept (a directory still served is never deleted)."""
+
+    broadcast_timeout_s: float = Field(300.0, gt=0)
+    """nccl/gloo transport: how long the trainer waits for every inference server to join a weight broadcast."""
+
+    num_threads: int | None = Field(None, ge=1)
+    """torch CPU threads; None = the share ``rlbus run`` assigns (or torch's default)."""
+
+
+class CkptConfig(Section):
+    interval: int | None = Field(None, ge=1)
+    """Checkpoint every this many steps; None = never."""
+
+    keep_last: int | None = Field(None, ge=1)
+    """Keep this many recent checkpoints; None = all."""
+
+    keep_interval: int | None = Field(None, ge=1)
+    """Keep every checkpoint whose step is a multiple of this, permanently."""
+
+    resume_step: int | None = Field(None, ge=-1)
+    """Step to resume from; -1 = latest; None = start fresh."""
+
+
