@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, run once from the repo root on a CUDA machine: tests/test_gpu.py plus the trainer and weights
+# GPU check, run once from the repo root on a CUDA machine: tests/trainer/test_gpu.py plus the trainer and weights
 # benchmarks on the Qwen3-0.6B shape. Everything is teed into $OUT/gpu_check.log (or ./gpu_check.log).
 #
 #   bash benchmarks/gpu_check.sh
@@ -89,7 +89,7 @@ fi
 step "trainer bench (eager)" 150 "$PY" benchmarks/trainer.py "${DEV[@]}"
 step "weights bench (1024 MiB shards)" 90 "$PY" benchmarks/weights.py "${DEV[@]}" "${WDIR[@]}"
 step "weights bench (256 MiB shards)" 90 "$PY" benchmarks/weights.py "${DEV[@]}" "${WDIR[@]}" --max-shard-mb 256
-step "gpu tests" 150 "$PY" -m pytest tests/test_gpu.py -q -m gpu -p no:cacheprovider
+step "gpu tests" 150 "$PY" -m pytest tests/trainer/test_gpu.py -q -m gpu -p no:cacheprovider
 # The first compiled step took 12–15 s on an H200; warmup 2 = that step + one more, then 5 timed steps.
 step "trainer bench (compiled)" 300 "$PY" benchmarks/trainer.py "${DEV[@]}" --compile --only trainer --warmup 2 --steps 5
 

@@ -7,7 +7,7 @@ case on GPU). Logits are divided by each token's sampling temperature before the
 
 Packed samples never attend across their boundaries: position ids restart at 0 per sample and
 transformers (SDPA attention, no 2-D attention mask) turns that into a block-diagonal causal mask;
-``tests/test_trainer.py`` checks packed == unpacked logprobs.
+``tests/trainer/test_logprobs.py`` checks packed == unpacked logprobs.
 """
 
 from dataclasses import dataclass

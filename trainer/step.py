@@ -3,9 +3,12 @@
 Each rank runs the micro-batches it was given (``i % W == r``); ranks with fewer run a zero-weight
 one so FSDP's collectives stay matched. Loss-token counts per mode are all-reduced first, so each
 mode's loss is its summed per-token loss over the whole step divided by its token count across
-micro-batches and ranks. Metric sums are all-reduced once at the end of the step.
+micro-batches and ranks. Metric sums are all-reduced once at the end of the step. A step whose gradient
+norm is not finite (a NaN or inf anywhere in the loss or the gradients) is not applied: neither the
+optimizer nor the schedule moves, and ``skipped_nonfinite`` = 1 says so.
 """
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -83,7 +86,8 @@ def train_step(
     batches: list[Batch], *, loss_fns: dict[str, LossFn], ctx: DistContext, step: int,
     max_grad_norm: float | None, n_params: int = 0, wait_s: float = 0.0, forward_batch: int = 1,
 ) -> dict[str, float]:
-    """Forward/backward every local micro-batch, clip, step AdamW and the schedule; return the step's metrics.
+    """Forward/backward every local micro-batch, clip, step AdamW (unless the gradient is not finite) and the
+    schedule; return the step's metrics.
 
     ``forward_batch`` micro-batches share one forward/backward pass as the rows of a ``[B, T]`` batch
     (padded to the longest): the same loss, fewer and larger kernels (GPU utilisation), more activation memory.
@@ -104,15 +108,19 @@ def train_step(
         _forward_backward(policy, group, loss_fns, mode_tokens, ctx.world_size, sums)
     grad_norm = _clip(policy, max_grad_norm)
     lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
+    finite = math.isfinite(grad_norm)  # the same on every rank: the norm is over the whole model
+    if finite:
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     all_reduce_sum(sums, ctx)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     step_s = time.perf_counter() - start
-    return _metrics(dict(zip(_SUMS, sums.tolist(), strict=True)), policy, grad_norm, lr, step_s, wait_s, n_params,
-                    ctx, device)
+    metrics = _metrics(dict(zip(_SUMS, sums.tolist(), strict=True)), policy, grad_norm, lr, step_s, wait_s,
+                       n_params, ctx, device)
+    metrics["skipped_nonfinite"] = 0.0 if finite else 1.0
+    return metrics
 
 
 def _forward_backward(policy: nn.Module, group: list[Batch], loss_fns: dict[str, LossFn],

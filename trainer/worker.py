@@ -13,6 +13,7 @@ import asyncio
 import os
 import time
 
+from bus.errors import RlbusError
 from bus.log import configure_logging, get_logger
 from bus.messages import Metric, MicroBatch, WeightUpdate
 from bus.policy import PolicyTracker, publish_trained
@@ -138,6 +139,10 @@ class TrainerWorker:
         state = full_state_dict(self.policy, self.ctx)
         if not self.ctx.is_main:
             return
+        bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+        if bad:
+            raise RlbusError(f"weights of step {step} hold NaN or inf ({bad[:3]}); not publishing them. The trainer "
+                             f"restarts from its latest checkpoint; lower trainer.lr or check the rewards if it recurs")
         if self.broadcaster is not None:
             event = self.broadcaster.event(step, state)
             await self.bus.publish(self.bus.keys.weights(), event)

@@ -67,10 +67,7 @@ async def run_worker(worker: Worker) -> int:
 
 
 async def run_until_first(stop: asyncio.Event, *coros: Coroutine) -> None:
-    """Run ``coros`` until one ends or SIGTERM/SIGINT sets ``stop``; cancel the rest, re-raise an error of the first."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    """Run ``coros`` until one ends or ``stop`` is set (``request_stop``); cancel the rest, re-raise an error of the first."""
     tasks = [asyncio.create_task(stop.wait()), *(asyncio.create_task(c) for c in coros)]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:

@@ -30,7 +30,7 @@ from workers.inference.openai_api import (
     sampling_params,
 )
 from workers.inference.weights_follower import WeightsFollower
-from workers.lifecycle import connect_bus, run_until_first
+from workers.lifecycle import connect_bus, run_until_first, run_worker
 
 
 class InferenceServer:
@@ -46,6 +46,9 @@ class InferenceServer:
         self.follower: Any = None
         self._runner: web.AppRunner | None = None
         self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
 
     async def setup(self) -> None:
         self.engine = await asyncio.to_thread(self._build_engine)
@@ -176,18 +179,9 @@ def _as_list(value) -> list:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-async def serve(config: RlbusConfig, host: str, port: int, server_id: str) -> None:
-    server = InferenceServer(config, host, port, server_id)
-    try:
-        await server.setup()
-        await server.run()
-    finally:
-        await server.close()
-
-
 def main(config: RlbusConfig, args: argparse.Namespace) -> int:
     """Serve until SIGTERM (``args`` parsed by :func:`workers.inference.server.parse_args`)."""
     if config.inference.num_threads:
         torch.set_num_threads(config.inference.num_threads)
-    asyncio.run(serve(config, args.host, args.port, args.server_id))
+    asyncio.run(run_worker(InferenceServer(config, args.host, args.port, args.server_id)))
     return 0

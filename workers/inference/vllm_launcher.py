@@ -27,7 +27,7 @@ from bus.log import get_logger
 from bus.messages import WeightUpdate
 from workers.config import RlbusConfig
 from workers.inference.weights_follower import WeightsFollower
-from workers.lifecycle import connect_bus, run_until_first
+from workers.lifecycle import connect_bus, run_until_first, run_worker
 
 WORKER_EXTENSION = "workers.inference.vllm_launcher.VllmWorkerExtension"
 """Qualified name of the worker extension vLLM mixes into its workers."""
@@ -98,12 +98,17 @@ class VllmServer:
         self.bus = None
         self._stop = asyncio.Event()
 
+    def request_stop(self) -> None:
+        self._stop.set()
+
     async def setup(self, ready_timeout_s: float = 600.0) -> None:
         self.proc = subprocess.Popen(self.cmd, env=self.env)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ready_timeout_s
         while not await self._healthy():
+            if self._stop.is_set():
+                return  # SIGTERM while vLLM starts: run() returns at once and close() stops it
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting: {' '.join(self.cmd)}")
             if loop.time() > deadline:
@@ -169,15 +174,7 @@ class VllmServer:
             await self.bus.close()
 
 
-async def _serve(server: VllmServer) -> None:
-    try:
-        await server.setup()
-        await server.run()
-    finally:
-        await server.close()
-
-
 def main(config: RlbusConfig, args: argparse.Namespace) -> int:
     """Run vLLM for ``rlbus inference`` (``args`` parsed by :func:`workers.inference.server.parse_args`)."""
-    asyncio.run(_serve(VllmServer(config, args.host, args.port, args.server_id)))
+    asyncio.run(run_worker(VllmServer(config, args.host, args.port, args.server_id)))
     return 0

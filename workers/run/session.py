@@ -277,6 +277,7 @@ class RunSession:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._signal)
+        await asyncio.to_thread(check_envs, self.config)
         self.prepare_output()
         bus = None
         try:
@@ -425,6 +426,16 @@ class RunSession:
             print(f"rlbus run: {self.fatal}", file=sys.stderr)
             return 1
         return 0
+
+
+def check_envs(config: RlbusConfig) -> None:
+    """Load every train and eval env once, in-process, so a bad id or args stops the run before anything starts."""
+    for section, envs in (("env", config.env), ("eval.env", config.eval.env)):
+        for i, env in enumerate(envs):
+            try:
+                load_env(env.id, env.args)
+            except ConfigError as e:
+                raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): {e}") from e
 
 
 def eval_sizes(config: RlbusConfig) -> dict[str, int]:

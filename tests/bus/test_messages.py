@@ -266,3 +266,72 @@ def test_array_bytes_that_do_not_fit_their_shape_raise_decode_error(raw, shape):
 def test_from_fields_rejects_another_kind():
     with pytest.raises(DecodeError, match="expected a 'metric' entry"):
         Metric.from_fields(task_fields())
+
+
+def one_sample_group(**sample_fields) -> dict[bytes, bytes]:
+    """The entry of a one-sample group whose sample's wire fields are replaced by ``sample_fields``."""
+    sample = Sample(prompt_ids=[1, 2, 3], completion_ids=[4, 5], completion_logprobs=[-0.5, -0.1],
+                    loss_mask=[True, True])
+    fields = RolloutGroup(task_id="t", env="e", example_id="0", samples=[sample]).to_fields()
+    payload = unpackb(fields["data"])
+    payload["samples"][0].update(sample_fields)
+    fields["data"] = packb(payload)
+    return as_redis(fields)
+
+
+def wire(dtype: str, values: list, shape=None) -> list:
+    array = np.asarray(values, dtype=dtype)
+    return [dtype, list(array.shape) if shape is None else shape, array.tobytes()]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"completion_logprobs": wire("<f4", [-0.5])}, "completion_logprobs has 1 entries for 2 completion tokens"),
+        ({"loss_mask": wire("|b1", [True, True, False])}, "loss_mask has 3 entries for 2 completion tokens"),
+        ({"teacher_logprobs": wire("<f4", [-1.0])}, "teacher_logprobs has 1 entries for 2 completion tokens"),
+        ({"completion_logprobs": wire("<f4", [-0.5, float("nan")])}, "completion_logprobs are not all finite"),
+        ({"teacher_logprobs": wire("<f4", [float("-inf"), 0.0])}, "teacher_logprobs are not all finite"),
+        ({"reward": float("nan")}, "reward"),
+        ({"advantage": float("inf")}, "advantage"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"prompt_ids": wire("<i4", [1, -7])}, "negative token id"),
+        ({"completion_ids": wire("<i4", [-1, 5])}, "negative token id"),
+        ({"prompt_ids": ["<x9", [1], b"\x00" * 4]}, "does not validate"),
+        ({"prompt_ids": ["<i4", "three", b"\x00" * 12]}, "does not validate"),
+        ({"prompt_ids": ["<i4", [2, 2], b"\x00" * 16]}, "does not validate"),
+        ({"prompt_ids": ["|O", [1], b"\x00" * 8]}, "does not validate"),
+    ],
+)
+def test_samples_that_contradict_themselves_raise_decode_error(change, words):
+    with pytest.raises(DecodeError, match=words):
+        decode(one_sample_group(**change))
+
+
+def test_a_field_name_that_is_not_utf8_is_ignored_by_the_decoder():
+    fields = task_fields()
+    fields[b"\xff\xfe-junk"] = b"x"
+    assert isinstance(decode(fields), Task)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"sample_lengths": np.array([3], np.int32)}, "sample_lengths sum to 3 but the micro-batch has 4 tokens"),
+        ({"loss_mask": np.ones(3, bool)}, "loss_mask has 3 entries for 4 tokens"),
+        ({"advantages": np.array([0, 1, np.nan, 0], np.float32)}, "advantages are not all finite"),
+        ({"rewards": np.array([1.0, 2.0, 3.0], np.float32)}, "rewards has 3 entries for 2 samples"),
+        ({"index": 2}, "index 2 is not below count 2"),
+        ({"input_ids": np.array([1, 2, -3, 4], np.int32)}, "negative token id"),
+    ],
+)
+def test_micro_batches_that_contradict_themselves_are_rejected(change, words):
+    good = dict(step=1, index=0, count=2, mode="rl", input_ids=np.array([1, 2, 3, 4], np.int32),
+                position_ids=np.array([0, 1, 0, 1], np.int32), loss_mask=np.array([0, 1, 0, 1], bool),
+                advantages=np.zeros(4, np.float32), inference_logprobs=np.zeros(4, np.float32),
+                temperatures=np.ones(4, np.float32), sample_lengths=np.array([2, 2], np.int32),
+                policy_versions=np.zeros(2, np.int32), rewards=np.zeros(2, np.float32))
+    MicroBatch(**good)
+    fields = MicroBatch.model_construct(**(good | change)).to_fields()
+    with pytest.raises(DecodeError, match=words):
+        decode(as_redis(fields))

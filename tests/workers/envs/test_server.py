@@ -74,6 +74,7 @@ import os
 from pathlib import Path
 from workers.envs import Environment, RewardFunc, Rubric
 
+
 def make(marker):
     def crash_once(example, messages, state):
         if not Path(marker).exists():

@@ -1,24 +1,22 @@
-"""The bus against a real redis-server: groups, dead letters, reclaim, atomic commits, trimming, policy versions."""
+"""The bus against a real redis-server: groups, dead letters, reclaim, atomic commits, trimming, fan-out, state."""
 
 import asyncio
 import importlib.util
-import time
-from pathlib import Path
 
 import pytest
 import redis
-from hypothesis import given, settings
 from hypothesis import strategies as st
-from redis.asyncio.connection import Connection
 
-from bus.errors import RedisNotInstalledError
-from bus.local_redis import LocalRedis
 from bus.messages import DeadLetter, Metric, Task
-from bus.policy import PolicyTracker, publish_served, publish_trained
-from bus.resp import fast_packing
+from bus.policy import PolicyTracker, publish_trained
 from bus.streams import CommitConflict, Entry
+from tests.paths import REPO
 
 GROUP = "rollout"
+args = st.lists(
+    st.one_of(st.binary(max_size=7000), st.text(max_size=50), st.integers(), st.floats(allow_nan=False)),
+    max_size=12,
+)
 
 
 def task(i: int) -> Task:
@@ -76,6 +74,48 @@ def test_malformed_entry_is_dead_lettered_and_consumer_keeps_going(bus):
             assert letter.fields["data"] == b"\xc1garbage"
             pending_ids = {p["message_id"].decode() for p in await b.redis.xpending_range(stream, GROUP, "-", "+", 10)}
             assert bad_id not in pending_ids and len(pending_ids) == 2
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({b"\xff\xfe": b"\x00", b"kind": b"task"}, "no 'v' field"),
+        ({b"kind": b"task", b"v": b"1", b"data": b"\x93\xa2<i4\x91\x01\xc4\x04\x00\x00\x00\x00"}, "expected a map"),
+        ({b"kind": b"rollout_group", b"v": b"1", b"data": b"\x81\xa7samples\x91\x81\xaaprompt_ids\x93\xa3<x9\x91\x01\xc4\x04abcd"},
+         "does not validate"),
+    ],
+    ids=["non-utf8-field-name", "array-instead-of-map", "unknown-dtype"],
+)
+def test_any_bytes_go_to_dead_and_the_consumer_keeps_going(bus, fields, words):
+    async def main():
+        async with bus("w1") as b:
+            stream = b.keys.tasks("e")
+            bad_id = (await b.redis.xadd(stream, fields)).decode()
+            await b.publish(stream, task(1))
+            entries = await b.read_group([stream], GROUP, count=10)
+            assert [e.message.task_id for e in entries] == ["e:0:1"]
+            (_, letter), = await b.read_fanout(b.keys.dead())
+            assert letter.entry_id == bad_id and words in letter.reason
+            assert len(letter.fields) == len(fields)
+            pending = {p["message_id"].decode() for p in await b.redis.xpending_range(stream, GROUP, "-", "+", 10)}
+            assert bad_id not in pending
+
+    asyncio.run(main())
+
+
+def test_fanout_readers_skip_what_they_cannot_decode(bus):
+    async def main():
+        async with bus("w1") as b:
+            policy = b.keys.policy()
+            await b.redis.xadd(policy, {b"kind": b"policy_version", b"v": b"1", b"data": b"\xc1"})
+            await b.redis.xadd(policy, {b"\xff": b"\xff"})
+            await publish_trained(b, 3)
+            tracker = PolicyTracker(b)
+            assert await tracker.refresh() and tracker.trained == 3
+            await b.redis.xadd(b.keys.weights(), {b"kind": b"weight_update", b"v": b"1", b"data": b"\x80"})
+            assert await b.last(b.keys.weights()) is None
 
     asyncio.run(main())
 
@@ -253,63 +293,8 @@ def test_read_fanout_and_state(bus):
     asyncio.run(main())
 
 
-def test_policy_tracker(bus):
-    async def main():
-        async with bus("trainer") as b, bus("rollout") as r:
-            tracker = PolicyTracker(r)
-            await tracker.refresh()
-            assert (tracker.trained, tracker.served) == (0, 0)
-            await publish_trained(b, 1)
-            await publish_served(b, "s0", 1)
-            await publish_served(b, "s1", 0)
-            assert await tracker.refresh()
-            assert (tracker.trained, tracker.served, tracker.served_by) == (1, 0, {"s0": 1, "s1": 0})
-            with pytest.raises(TimeoutError, match="served_by"):
-                await tracker.wait(lambda t: t.served >= 1, timeout_s=0.2)
-
-            async def later():
-                await asyncio.sleep(0.1)
-                await publish_served(b, "s1", 1)
-
-            started = time.monotonic()
-            await asyncio.gather(tracker.wait(lambda t: t.served >= 1, timeout_s=5), later())
-            assert tracker.served == 1 and time.monotonic() - started < 3
-
-    asyncio.run(main())
-
-
-def test_local_redis_without_binary_says_how_to_install(monkeypatch):
-    monkeypatch.setattr("bus.local_redis.shutil.which", lambda name: None)
-    with pytest.raises(RedisNotInstalledError, match="apt-get install -y redis-server"):
-        LocalRedis().start()
-
-
-def test_local_redis_starts_and_stops(tmp_path):
-    with LocalRedis(dir=tmp_path) as server:
-        url = server.url
-        client = redis.Redis.from_url(url)
-        assert client.ping()
-        assert client.config_get("appendonly")["appendonly"] == "yes"
-        client.close()
-    with pytest.raises(redis.ConnectionError):
-        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
-
-
-args = st.lists(
-    st.one_of(st.binary(max_size=7000), st.text(max_size=50), st.integers(), st.floats(allow_nan=False)),
-    max_size=12,
-)
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.sampled_from(["XADD", "XINFO STREAM", b"HSET", b"CONFIG GET"]), args)
-def test_fast_packing_matches_redis_py(command, rest):
-    fast, plain = fast_packing(Connection)(), Connection()
-    assert b"".join(fast.pack_command(command, *rest)) == b"".join(plain.pack_command(command, *rest))
-
-
 def test_bus_benchmark_runs(redis_url, capsys):
-    spec = importlib.util.spec_from_file_location("bench_bus", Path(__file__).parent.parent / "benchmarks" / "bus.py")
+    spec = importlib.util.spec_from_file_location("bench_bus", REPO / "benchmarks" / "bus.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     ratio = asyncio.run(bench.bench(redis_url, n=128, batch=32, rounds=1))

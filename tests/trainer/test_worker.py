@@ -3,9 +3,9 @@
 import asyncio
 
 import torch
-from trainer_helpers import save_tiny_model, step_batches
 
 from bus.messages import Metric, PolicyVersion, WeightUpdate
+from tests.trainer.helpers import save_tiny_model, step_batches
 from trainer.weights import read_weights, verify_weights
 from trainer.worker import TrainerWorker, main
 from workers.config import RlbusConfig

@@ -1,7 +1,6 @@
-"""Filter and packer workers against a real redis-server: atomic commits, staleness, kill -9, collapse."""
+"""The packer worker against a real redis-server: staleness, kill -9 between read and commit, held groups, partial steps."""
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -9,117 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import pytest
-
-from bus.errors import CollapseError
-from bus.keys import GROUP_FILTER, GROUP_PACKER
-from bus.messages import Metric, MicroBatch, RolloutGroup, Sample
+from bus.keys import GROUP_PACKER
+from bus.messages import Metric
 from bus.policy import publish_trained
-from bus.state import LAST_STEP_FIELD, STOP_REASON_FIELD, STREAK_FIELD
-from workers.config import RlbusConfig
-from workers.stages.filter import FilterWorker
+from bus.state import LAST_STEP_FIELD
+from tests.paths import REPO
+from tests.workers.stages.helpers import ENV, config, group, micro_batches, pending
 from workers.stages.packer import PAUSE_ENV, PackerWorker
-
-ENV = "rev"
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def group(uid: int, rewards: list[float], version: int = 0, advantage: float = 0.5) -> RolloutGroup:
-    samples = [
-        Sample(
-            prompt_ids=np.full(3, uid, np.int32),
-            completion_ids=np.arange(5, dtype=np.int32),
-            completion_logprobs=np.full(5, -1.0, np.float32),
-            loss_mask=np.ones(5, bool),
-            reward=r,
-            advantage=advantage,
-            policy_version_start=version,
-            policy_version_end=version,
-        )
-        for r in rewards
-    ]
-    return RolloutGroup(task_id=f"{ENV}:0:{uid}", env=ENV, example_id=str(uid), samples=samples)
-
-
-def config(redis_url: str, run_name: str, model_dir: Path, **packer) -> RlbusConfig:
-    return RlbusConfig.model_validate(
-        {
-            "run": {"name": run_name},
-            "redis": {"url": redis_url, "block_ms": 100},
-            "model": {"path": str(model_dir)},
-            "env": [{"id": "reverse_text", "name": ENV, "group_size": 2}],
-            "packer": {"batch_size": 4, "seq_len": 32, **packer},
-        }
-    )
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    """A model folder with just the config.json the filters read (vocab_size)."""
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
-    return tmp_path
-
-
-async def micro_batches(bus, step: int) -> list[MicroBatch]:
-    rows = await bus.redis.xrange(bus.keys.batches(step))
-    return [MicroBatch.from_fields(fields) for _, fields in rows]
-
-
-async def pending(bus, stream: str, group: str) -> int:
-    return int((await bus.redis.xpending(stream, group))["pending"])
-
-
-def test_filter_commits_atomically_and_releases_only_dropped_samples(bus, redis_url, run_name, model_dir):
-    cfg = config(redis_url, run_name, model_dir)
-    cfg.filter.pre_batch_filters[2].enforce = True  # zero_advantage drops
-
-    async def main():
-        async with bus("test") as b:
-            await b.state_set(inflight=10)
-            await b.publish(b.keys.rollouts(ENV), group(1, [1.0, 0.0]))
-            await b.publish(b.keys.rollouts(ENV), group(2, [1.0, 1.0]))  # zero advantage: dropped
-            worker = FilterWorker(cfg, worker="filter-0")
-            await worker.setup()
-            entries = await worker.bus.read_group(worker.streams, GROUP_FILTER, count=16)
-            await worker.process(entries)
-            await worker.close()
-            out = await b.redis.xrange(b.keys.filtered(ENV))
-            assert len(out) == 1
-            kept = RolloutGroup.from_fields(out[0][1])
-            assert [s.advantage for s in kept.samples] == [0.5, -0.5]
-            assert await b.state_get("inflight") == "8"  # the dropped group; the kept one waits for the packer
-            assert await pending(b, b.keys.rollouts(ENV), GROUP_FILTER) == 0
-            _, metric = await b.last(b.keys.metrics())
-            assert metric.values["filter/zero_advantage/dropped"] == 2
-            assert metric.values["filter/groups_dropped"] == 1 and metric.values["filter/groups"] == 1
-            assert await b.state_get(STREAK_FIELD) == "1"
-
-    asyncio.run(main())
-
-
-def test_zero_variance_collapse_stops_with_the_message(bus, redis_url, run_name, model_dir):
-    cfg = config(redis_url, run_name, model_dir, collapse_after=3)
-
-    async def main():
-        async with bus("test") as b:
-            for uid, rewards in enumerate(
-                [[1.0, 1.0], [0.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.5, 0.5], [0.0, 0.0]]
-            ):
-                await b.publish(b.keys.rollouts(ENV), group(uid, rewards))
-            worker = FilterWorker(cfg, worker="filter-0")
-            await worker.setup()
-            with pytest.raises(CollapseError, match="zero reward variance") as info:
-                await asyncio.wait_for(worker.run(), 20)
-            await worker.close()
-            assert "packer.collapse_after" in str(info.value) and "trainer.lr" in str(info.value)
-            # the varied third group reset the streak: it stopped at the 3 that followed
-            assert await b.state_get(STREAK_FIELD) == "3"
-            assert "zero reward variance" in await b.state_get(STOP_REASON_FIELD)
-            _, metric = await b.last(b.keys.metrics())
-            assert isinstance(metric, Metric) and metric.values["collapse/zero_variance_groups"] == 3
-
-    asyncio.run(main())
 
 
 def test_stale_groups_are_dropped_and_counted(bus, redis_url, run_name, model_dir):
@@ -158,13 +53,13 @@ def test_stale_groups_are_dropped_and_counted(bus, redis_url, run_name, model_di
 
 
 def start_packer(cfg_file: Path, pause_s: float | None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop(PAUSE_ENV, None)
     if pause_s is not None:
         env[PAUSE_ENV] = str(pause_s)
     return subprocess.Popen(
         [sys.executable, "-m", "workers.cli", "packer", "@", str(cfg_file), "--consumer", "packer-0"],
-        cwd=ROOT,
+        cwd=REPO,
         env=env,
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -284,5 +179,31 @@ def test_packs_a_smaller_step_when_the_inflight_cap_holds_everything_here(bus, r
             await worker.close()
             assert sorted(r for mb in await micro_batches(b, 1) for r in mb.rewards.tolist()) == [0.0, 1.0]
             assert await b.state_get("inflight") == "0"
+
+    asyncio.run(main())
+
+
+def test_own_pending_entries_past_max_deliveries_go_dead_on_restart(bus, redis_url, run_name, model_dir):
+    cfg = config(redis_url, run_name, model_dir)
+
+    async def main():
+        async with bus("test") as b:
+            stream = b.keys.filtered(ENV)
+            await b.state_set(inflight=4)
+            poison = await b.publish(stream, group(1, [1.0, 0.0]))
+            await b.publish(stream, group(2, [1.0, 0.0]))
+            await b.ensure_group(stream, GROUP_PACKER)
+            await b.redis.xreadgroup(GROUP_PACKER, "packer-0", {stream: ">"}, count=10)
+            # the packer crashed on the first group max_deliveries times in a row
+            await b.redis.xclaim(stream, GROUP_PACKER, "packer-0", 0, [poison], retrycount=cfg.redis.max_deliveries)
+            worker = PackerWorker(cfg, worker="packer-0")
+            await worker.setup()
+            while worker._replay:
+                await worker._read(reclaim=False)
+            await worker.close()
+            assert [h.group.task_id for h in worker.held] == [f"{ENV}:0:2"]
+            (_, letter), = await b.read_fanout(b.keys.dead())
+            assert letter.entry_id == poison and "delivered 6 times" in letter.reason
+            assert await b.state_get("inflight") == "2"
 
     asyncio.run(main())

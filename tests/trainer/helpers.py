@@ -7,8 +7,15 @@ import numpy as np
 import torch
 
 from bus.messages import MicroBatch
+from trainer.config import DppoLossConfig, TrainerConfig
+from trainer.dist import DistContext, close_distributed, full_state_dict, init_distributed, prepare_model
+from trainer.logprobs import PolicyModel
+from trainer.losses import loss_fns
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.step import to_batch, train_step
 
 VOCAB = 300
+CPU = torch.device("cpu")
 
 
 def tiny_lm(seed: int = 0, tie: bool = True):
@@ -62,19 +69,12 @@ def step_batches(step: int, count: int = 4, seed: int = 0) -> list[MicroBatch]:
 def fsdp_rank_step(out_path: str, count: int) -> None:
     """Run one train_step on this rank's share of ``step_batches(1, count)`` and save the full weights (rank 0)."""
     torch.set_num_threads(1)
-    from trainer.config import DppoLossConfig, TrainerConfig
-    from trainer.dist import close_distributed, full_state_dict, init_distributed, prepare_model
-    from trainer.logprobs import PolicyModel
-    from trainer.losses import loss_fns
-    from trainer.optim import build_optimizer, build_scheduler
-    from trainer.step import to_batch, train_step
-
     ctx = init_distributed("cpu")
     cfg = TrainerConfig(lr=1e-2)
     policy = prepare_model(PolicyModel(tiny_lm(), chunk_size=16), ctx, "cpu", compile_layers=False)
     opt = build_optimizer(policy, cfg)
     sched = build_scheduler(opt, cfg, None)
-    mine = [to_batch(mb, torch.device("cpu"), 1) for mb in step_batches(1, count)
+    mine = [to_batch(mb, CPU, 1) for mb in step_batches(1, count)
             if mb.index % ctx.world_size == ctx.rank]
     metrics = train_step(policy, opt, sched, mine, loss_fns=loss_fns(DppoLossConfig()), ctx=ctx, step=1,
                          max_grad_norm=1.0)
@@ -89,3 +89,35 @@ def save_tiny_model(dir: Path, seed: int = 0) -> Path:
     model = tiny_lm(seed)
     model.save_pretrained(dir)
     return dir
+
+
+def setup_policy(lr=1e-2, seed=0, **cfg):
+    policy = PolicyModel(tiny_lm(seed), chunk_size=16)
+    tcfg = TrainerConfig(lr=lr, **cfg)
+    opt = build_optimizer(policy, tcfg)
+    return policy, opt, build_scheduler(opt, tcfg, 10)
+
+
+def step_gradients(mbs, forward_batch=1):
+    """Metrics and the (clipped) gradients AdamW is handed in one step. Compare gradients, not updated weights:
+    AdamW's first update is ≈ lr·sign(g), so float-rounding noise on a near-zero gradient moves a weight by ~lr."""
+    policy, opt, sched = setup_policy()
+    grads = {}
+
+    def record(_optimizer, _args, _kwargs):
+        grads.update({name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None})
+
+    opt.register_step_pre_hook(record)
+    return run_step(policy, opt, sched, mbs, forward_batch=forward_batch), grads
+
+
+def assert_same_gradients(a, b, atol=1e-6):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=atol), name
+
+
+def run_step(policy, opt, sched, mbs, step=1, forward_batch=1):
+    batches = [to_batch(mb, CPU, step) for mb in mbs]
+    return train_step(policy, opt, sched, batches, loss_fns=loss_fns(DppoLossConfig()), ctx=DistContext(), step=step,
+                      max_grad_norm=1.0, forward_batch=forward_batch)

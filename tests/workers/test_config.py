@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 from bus.errors import ConfigError
+from tests.paths import CONFIGS, REPO
 from workers import cli
 from workers.config import RlbusConfig
 from workers.config_loader import apply_override, load_config, parse_value, split_argv
-
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+from workers.envs.registry import load_env
 
 
 def write(path: Path, text: str) -> Path:
@@ -20,7 +20,15 @@ def write(path: Path, text: str) -> Path:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_shipped_config_loads(path):
-    assert isinstance(load_config([path]), RlbusConfig)
+    config = load_config([path])
+    assert isinstance(config, RlbusConfig)
+    assert config.run.name
+    for env in [*config.env, *config.eval.env]:  # the env args fit the env factories
+        assert len(load_env(env.id, env.args)) > 0
+
+
+def test_default_config_exists():
+    assert (REPO / "configs" / "default.toml") in CONFIGS
 
 
 def test_files_merge_in_order_and_overrides_win(tmp_path):

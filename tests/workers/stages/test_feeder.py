@@ -29,6 +29,7 @@ def _tasks(redis_client, run_name, env) -> list[Task]:
 
 # Pure logic.
 
+
 def test_epoch_order_is_a_seeded_permutation():
     a = epoch_order(50, seed=1, env="x", epoch=0)
     assert sorted(a) == list(range(50))
@@ -58,6 +59,7 @@ def test_pick_env_stops_after_max_epochs():
 
 
 # Against redis.
+
 
 def _run_until(feeder: FeederWorker, n: int):
     async def main():

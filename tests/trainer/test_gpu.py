@@ -1,7 +1,7 @@
 """The trainer and the inference engine on CUDA: logprobs, one train step, weights round trip, generation.
 
 Every test is marked ``gpu`` and skipped when no CUDA device is visible (CI):
-``python3 -m pytest tests/test_gpu.py -q -m gpu`` on a GPU machine (benchmarks/gpu_check.sh runs it).
+``python3 -m pytest tests/trainer/test_gpu.py -q -m gpu`` on a GPU machine (benchmarks/gpu_check.sh runs it).
 The model is a random-init 4-layer Qwen3 (hidden 256, vocab 4096) with ``initializer_range=0.1`` so its
 next-token distributions are peaked (logit std ≈ 1.6) rather than near-uniform, which would hide errors.
 """
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from trainer_helpers import micro_batch, step_batches
 
+from tests.trainer.helpers import micro_batch, step_batches
 from trainer.config import DppoLossConfig, TrainerConfig
 from trainer.dist import DistContext
 from trainer.logprobs import PolicyModel

@@ -203,7 +203,7 @@ def test_kill_9_mid_group_is_redone_exactly_once(stack):
     Steps take 1.5 s, longer than claim_idle_ms, so this also checks that a live worker keeps its
     running tasks from being claimed by the other."""
     name = f"slow{uuid.uuid4().hex[:4]}"
-    env = {"id": "tests.rollout_envs:slow_echo", "name": name, "group_size": 2, "args": {"step_s": 1.5}}
+    env = {"id": "tests.workers.stages.rollout_envs:slow_echo", "name": name, "group_size": 2, "args": {"step_s": 1.5}}
     config = stack.config([env], claim_idle_ms=800)
     workers = {c: stack.spawn("rollout", config, "--consumer", c) for c in ("ra", "rb")}
     stream = stack.keys.tasks(name)

@@ -18,8 +18,8 @@ import redis
 
 from bus.keys import GROUP_PACKER, Keys
 from bus.local_redis import LocalRedis, free_port
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT = REPO / "configs" / "default.toml"
 
 LEARNING_THRESHOLD = 0.3

@@ -1,0 +1,33 @@
+"""The policy tracker: trained and served versions."""
+
+import asyncio
+import time
+
+import pytest
+
+from bus.policy import PolicyTracker, publish_served, publish_trained
+
+
+def test_policy_tracker(bus):
+    async def main():
+        async with bus("trainer") as b, bus("rollout") as r:
+            tracker = PolicyTracker(r)
+            await tracker.refresh()
+            assert (tracker.trained, tracker.served) == (0, 0)
+            await publish_trained(b, 1)
+            await publish_served(b, "s0", 1)
+            await publish_served(b, "s1", 0)
+            assert await tracker.refresh()
+            assert (tracker.trained, tracker.served, tracker.served_by) == (1, 0, {"s0": 1, "s1": 0})
+            with pytest.raises(TimeoutError, match="served_by"):
+                await tracker.wait(lambda t: t.served >= 1, timeout_s=0.2)
+
+            async def later():
+                await asyncio.sleep(0.1)
+                await publish_served(b, "s1", 1)
+
+            started = time.monotonic()
+            await asyncio.gather(tracker.wait(lambda t: t.served >= 1, timeout_s=5), later())
+            assert tracker.served == 1 and time.monotonic() - started < 3
+
+    asyncio.run(main())

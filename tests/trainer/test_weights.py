@@ -1,0 +1,54 @@
+"""Weights on disk: round trip, shards, an untied head."""
+
+import torch
+
+from tests.trainer.helpers import tiny_lm
+
+torch.set_num_threads(1)
+
+
+def test_save_and_load_weights_round_trip(tmp_path):
+    from trainer.weights import (
+        load_weights_into,
+        prune_weights,
+        read_weights,
+        save_weights,
+        verify_weights,
+        weights_dir,
+    )
+
+    src = tiny_lm(seed=1)
+    dst = tiny_lm(seed=2)
+    files = save_weights(src, weights_dir(tmp_path, 1), max_shard_mb=1)
+    small = save_weights(src, weights_dir(tmp_path, 2), max_shard_mb=1)
+    assert [f.name for f in files] == [f.name for f in small]
+    verify_weights(weights_dir(tmp_path, 1), files)
+    assert "lm.lm_head.weight" not in read_weights(weights_dir(tmp_path, 1))
+    assert "lm_head.weight" not in read_weights(weights_dir(tmp_path, 1))  # tied: stored once
+    load_weights_into(dst, weights_dir(tmp_path, 1))
+    ids = torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(src(input_ids=ids).logits, dst(input_ids=ids).logits)
+    assert dst.lm_head.weight is dst.model.embed_tokens.weight
+    for step in (3, 4, 5):
+        save_weights(src, weights_dir(tmp_path, step), 1)
+    assert prune_weights(tmp_path, keep=2, protected={1}) == [2, 3]
+
+
+def test_save_weights_shards_and_untied_head(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.weights import load_weights_into, save_weights, verify_weights
+
+    src = tiny_lm(seed=1, tie=False)
+    state = src.state_dict()
+    assert "lm_head.weight" in state
+    files = save_weights(state, tmp_path / "w2", max_shard_mb=0.1, config=src.config)
+    assert len(files) > 2 and files[0].name == f"model-00001-of-{len(files):05d}.safetensors"
+    assert all(f.bytes <= 0.1 * 2**20 + 2**16 for f in files)
+    verify_weights(tmp_path / "w2", files)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "w2")  # a plain HF folder
+    dst = tiny_lm(seed=3, tie=False)
+    load_weights_into(dst, tmp_path / "w2")
+    for (n, a), b in zip(src.state_dict().items(), reloaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
