@@ -38,12 +38,15 @@ def to_wire(array: np.ndarray) -> list:
 
 
 def from_wire(value: list | tuple) -> np.ndarray:
-    """Rebuild an array from its wire triple; raises ValueError when the bytes do not fit."""
+    """Rebuild an array from its wire triple; raises ValueError when the dtype, shape or bytes do not make one."""
     dtype_str, shape, raw = value
-    dtype = np.dtype(dtype_str)
-    if dtype.hasobject:
-        raise ValueError(f"dtype {dtype_str!r} is not allowed on the wire")
-    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    try:
+        dtype = np.dtype(dtype_str)
+        if dtype.hasobject:
+            raise ValueError(f"dtype {dtype_str!r} is not allowed on the wire")
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    except (TypeError, ValueError) as e:  # unknown dtype, a shape that is no shape, bytes that do not fit
+        raise ValueError(f"wire array [{dtype_str!r}, {shape!r}, {len(raw)} bytes] is not an array: {e}") from e
 
 
 def _is_wire(value: Any) -> bool:
@@ -98,7 +101,10 @@ def _coercer(dtype: np.dtype):
             if array.dtype != dtype:
                 raise ValueError(f"expected dtype {dtype.str}, got {array.dtype.str}")
         else:
-            array = np.asarray(value, dtype=dtype)
+            try:
+                array = np.asarray(value, dtype=dtype)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ValueError(f"expected a list of {dtype.name} values: {e}") from e
         if array.ndim != 1:
             raise ValueError(f"expected a 1-D array, got shape {array.shape}")
         return array

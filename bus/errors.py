@@ -5,6 +5,10 @@ anything that can never succeed), crash on everything else so the supervisor res
 """
 
 
+CONFIG_EXIT_CODE = 2
+"""Exit status of a process that stopped on a ConfigError: restarting it cannot help, so nobody does."""
+
+
 class RlbusError(Exception):
     """Base of every error rlbus raises on purpose."""
 

@@ -6,6 +6,7 @@ raw bytes. ``from_fields`` reads only ``kind``, ``v`` and ``data``; the header i
 """
 
 import functools
+import math
 import time
 import typing
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_fie
 
 from bus.arrays import BoolArray, Float32Array, Int32Array, packb, to_wire, unpackb
 from bus.errors import DecodeError
+from bus.resp import as_str
 
 Mode = Literal["rl", "opd", "sft"]
 """Training mode of a sample or micro-batch: rl (policy gradient), opd (on-policy distillation), sft."""
@@ -78,7 +80,7 @@ def _decode(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
         raise DecodeError(f"{cls.KIND} data is a {type(payload).__name__}, expected a map")
     try:
         return cls.__pydantic_validator__.validate_python(payload)
-    except ValidationError as e:
+    except (ValidationError, TypeError, ValueError, OverflowError) as e:  # whatever the bytes were
         raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
 
 
@@ -87,7 +89,7 @@ def _get(fields: Mapping[Any, Any], name: str) -> Any:
     if value is None:
         value = fields.get(name)
     if value is None:
-        raise DecodeError(f"entry has no {name!r} field (fields: {sorted(_text(k) for k in fields)})")
+        raise DecodeError(f"entry has no {name!r} field (fields: {sorted(as_str(k) for k in fields)})")
     return value
 
 
@@ -109,6 +111,27 @@ def _header_text(value: Any) -> str:
     if kind is bool:
         return "1" if value else "0"
     return str(value)
+
+
+def _same_length(expected: int, unit: str, **arrays: np.ndarray | None) -> None:
+    """Every array given has ``expected`` entries (None: absent, fine)."""
+    for name, array in arrays.items():
+        if array is not None and len(array) != expected:
+            raise ValueError(f"{name} has {len(array)} entries for {expected} {unit}")
+
+
+def _token_ids(*arrays: np.ndarray) -> None:
+    """No token id is negative (the upper bound, the vocabulary, is the packer's to check)."""
+    for array in arrays:
+        if len(array) and int(array.min()) < 0:
+            raise ValueError(f"negative token id {int(array.min())}")
+
+
+def _finite(**arrays: np.ndarray | None) -> None:
+    """Every value is finite. Hot path: one float64 sum is finite exactly when every float32 in it is."""
+    for name, array in arrays.items():
+        if array is not None and len(array) and not math.isfinite(array.sum(dtype=np.float64)):
+            raise ValueError(f"{name} are not all finite (NaN or inf)")
 
 
 def _holds_arrays_or_models(annotation: Any) -> bool:
@@ -180,17 +203,17 @@ class Sample(_Model):
     """True for tokens the model sampled (trained on), False for environment/tool tokens."""
     teacher_logprobs: Float32Array | None = None
     """Teacher logprob of each completion token (opd mode)."""
-    reward: float = 0.0
-    """Weighted sum of the rubric's reward functions."""
-    advantage: float = 0.0
-    """Advantage, set by the filter; broadcast over the loss-masked tokens."""
+    reward: float = Field(0.0, allow_inf_nan=False)
+    """Weighted sum of the rubric's reward functions (finite)."""
+    advantage: float = Field(0.0, allow_inf_nan=False)
+    """Advantage, set by the filter; broadcast over the loss-masked tokens (finite)."""
     metrics: dict[str, float] = Field(default_factory=dict)
     """Each reward function's value (and other per-sample numbers), by name."""
     policy_version_start: int = 0
     """Policy version served when generation of this sample started."""
     policy_version_end: int = 0
     """Policy version served when generation of this sample ended."""
-    temperature: float = 1.0
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
     """Sampling temperature the completion tokens were drawn at (the trainer divides logits by it)."""
     flags: dict[str, bool] = Field(default_factory=dict)
     """Filter annotations: filter type → flagged."""
@@ -200,6 +223,14 @@ class Sample(_Model):
     """Model turns in the episode."""
     mode: Mode = "rl"
     """Training mode (which loss trains it); always its group's mode (taken from the group when unset)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Sample":
+        n = len(self.completion_ids)
+        _same_length(n, "completion tokens", completion_logprobs=self.completion_logprobs, loss_mask=self.loss_mask,
+                     teacher_logprobs=self.teacher_logprobs)
+        _finite(completion_logprobs=self.completion_logprobs, teacher_logprobs=self.teacher_logprobs)
+        return self  # token ids against the vocabulary: the packer's check (it knows the vocabulary)
 
     @property
     def num_tokens(self) -> int:
@@ -313,6 +344,23 @@ class MicroBatch(Message):
     @property
     def loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "MicroBatch":
+        if self.index >= self.count:
+            raise ValueError(f"index {self.index} is not below count {self.count}")
+        n, k = len(self.input_ids), len(self.sample_lengths)
+        _same_length(n, "tokens", position_ids=self.position_ids, loss_mask=self.loss_mask,
+                     advantages=self.advantages, inference_logprobs=self.inference_logprobs,
+                     teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures)
+        _same_length(k, "samples", policy_versions=self.policy_versions, rewards=self.rewards)
+        if int(self.sample_lengths.sum(dtype=np.int64)) != n or (k and int(self.sample_lengths.min()) < 1):
+            raise ValueError(f"sample_lengths sum to {int(self.sample_lengths.sum(dtype=np.int64))} but the "
+                             f"micro-batch has {n} tokens (each sample needs at least one)")
+        _token_ids(self.input_ids)
+        _finite(advantages=self.advantages, inference_logprobs=self.inference_logprobs,
+                teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures, rewards=self.rewards)
+        return self
 
 
 class WeightFile(_Model):

@@ -161,11 +161,34 @@ class Bus:
             claimed += items
             if as_str(cursor) == "0-0":
                 break
-        if not claimed:
+        return await self._redelivered(stream, group, claimed, on_dead)
+
+    async def read_pending(
+        self,
+        stream: str,
+        group: str,
+        after: str = "0",
+        count: int = 64,
+        *,
+        on_dead: Callable[[Entry, Pipeline], None] | None = None,
+    ) -> tuple[list[Entry], str | None]:
+        """This consumer's own pending entries after ``after`` (a restarted worker's replay), through the same
+        delivery-count check as :meth:`reclaim`. Returns the entries and the id to continue after (None: done)."""
+        rows = await self.redis.xreadgroup(group, self.worker, {stream: after}, count=count)
+        items = rows[0][1] if rows else []
+        if not items:
+            return [], None
+        return await self._redelivered(stream, group, items, on_dead), as_str(items[-1][0])
+
+    async def _redelivered(
+        self, stream: str, group: str, items: list, on_dead: Callable[[Entry, Pipeline], None] | None
+    ) -> list[Entry]:
+        """Decode entries delivered again; one delivered more than ``max_deliveries`` times goes to ``dead``."""
+        if not items:
             return []
-        deliveries = await self._delivery_counts(stream, group, [as_str(i) for i, f in claimed if f is not None])
+        deliveries = await self._delivery_counts(stream, group, [as_str(i) for i, f in items if f is not None])
         entries = []
-        for entry in await self._decode_all(stream, group, claimed, deliveries):
+        for entry in await self._decode_all(stream, group, items, deliveries):
             if entry.deliveries > self.cfg.max_deliveries:
                 reason = f"delivered {entry.deliveries} times (> redis.max_deliveries={self.cfg.max_deliveries})"
                 extra = (lambda pipe, entry=entry: on_dead(entry, pipe)) if on_dead is not None else None
@@ -301,13 +324,14 @@ class Bus:
                 return out
             block_ms = None
 
-    async def last(self, stream: str) -> tuple[str, Message] | None:
-        """The newest entry of ``stream`` (XREVRANGE COUNT 1), or None when empty."""
-        rows = await self.redis.xrevrange(stream, count=1)
-        if not rows:
-            return None
-        raw_id, fields = rows[0]
-        return as_str(raw_id), decode(fields)
+    async def last(self, stream: str, scan: int = 100) -> tuple[str, Message] | None:
+        """The newest entry of ``stream`` that decodes (among the newest ``scan``), or None when there is none."""
+        for raw_id, fields in await self.redis.xrevrange(stream, count=scan):
+            try:
+                return as_str(raw_id), decode(fields)
+            except DecodeError as e:
+                self.log.error("entry_undecodable", stream=stream, entry_id=as_str(raw_id), error=str(e))
+        return None
 
     # The run's state hash.
 

@@ -8,7 +8,7 @@ imported lazily, so ``--help`` and ``--dry-run`` never import torch. A role's en
 import importlib
 import sys
 
-from bus.errors import ConfigError, RedisNotInstalledError
+from bus.errors import CONFIG_EXIT_CODE, ConfigError, RedisNotInstalledError
 from bus.log import configure_logging
 from workers.config_loader import dump_json, load_config, split_argv
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(files, overrides)
     except ConfigError as e:
         print(f"rlbus {role}: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_EXIT_CODE
     if dry_run:
         print(dump_json(config))
         return 0
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(load_role(role)(config, role_args) or 0)
     except (ConfigError, RedisNotInstalledError) as e:
         print(f"rlbus {role}: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_EXIT_CODE
     except KeyboardInterrupt:
         return 130
 

@@ -31,7 +31,7 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
-from bus.errors import ConfigError, RlbusError
+from bus.errors import CONFIG_EXIT_CODE, ConfigError, RlbusError
 from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv
 from bus.log import get_logger
 from bus.messages import Metric
@@ -173,8 +173,9 @@ class RunSession:
             text = f"{info['name']} exited with code {info['exit_code']}; restarting in {info['in_s']:.0f}s (see {info['log']})"
         elif event == "child_exited":
             text = f"{info['name']} exited with code {info['exit_code']}"
-            if info["exit_code"] == 2 and not self.sup.stopping:
-                self.fatal = f"{info['name']} failed on its config (exit code 2); see {info['log']}:\n" + _tail(info["log"])
+            if info["exit_code"] == CONFIG_EXIT_CODE and not self.sup.stopping:
+                self.fatal = (f"{info['name']} failed on its config (exit code {CONFIG_EXIT_CODE}); see {info['log']}:\n"
+                              + _tail(info["log"]))
                 self.stop.set()
         else:
             text = f"{event} {info}"
@@ -303,7 +304,7 @@ class RunSession:
         except (ConfigError, RlbusError) as e:
             self.fatal = self.fatal or str(e)
             print(f"rlbus run: {self.fatal}", file=sys.stderr)
-            return 2 if isinstance(e, ConfigError) else 1
+            return CONFIG_EXIT_CODE if isinstance(e, ConfigError) else 1
         finally:
             await asyncio.to_thread(self.sup.stop_all, self.grace_s)
             if bus is not None:

@@ -3,7 +3,8 @@
 Each child runs in its own process group (so its own children, e.g. the env servers a rollout
 worker spawns, are signalled with it) and gets ``PR_SET_PDEATHSIG`` (SIGTERM), so a supervisor
 killed with ``kill -9`` still takes every child down. A child that exits non-zero (or by a signal)
-is restarted after an exponential backoff; one that exits 0 has finished and stays down.
+is restarted after an exponential backoff; one that exits 0 has finished and stays down, and so does one
+that exits 2 (a config error: it would fail the same way again).
 
     sup = Supervisor(log_dir, on_event=print)
     sup.start(ChildSpec("trainer", "trainer", ["python", "-m", "workers.cli", "trainer", "@", "cfg.toml"]))
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.errors import CONFIG_EXIT_CODE
 from workers.lifecycle import die_with_parent
 
 
@@ -122,7 +124,7 @@ class Supervisor:
         code = child.proc.returncode
         child.exit_code = code
         info = {"name": child.spec.name, "exit_code": code, "log": str(self.log_path(child.spec.name))}
-        if self.stopping or code == 0:
+        if self.stopping or code == 0 or code == CONFIG_EXIT_CODE:
             child.done = True
             self.on_event("child_exited", info)
             return

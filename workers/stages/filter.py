@@ -110,6 +110,7 @@ class FilterWorker:
         keys = self.bus.keys
         acks, outputs, counts = [], [], FilterCounts()
         dropped, dropped_groups, rewards, streak = 0, 0, [], _Streak()
+        release = release_inflight(keys.state())
         for entry in entries:
             group = entry.message
             if not isinstance(group, RolloutGroup):
@@ -117,13 +118,19 @@ class FilterWorker:
                     entry, reason=f"expected a rollout_group, got {group.KIND}", group=GROUP_FILTER
                 )
                 continue
-            acks.append((entry.stream, GROUP_FILTER, entry.id))
             if group.eval_step is not None:
+                acks.append((entry.stream, GROUP_FILTER, entry.id))
                 self.log.warning("eval_group_skipped", stream=entry.stream, task_id=group.task_id)
                 continue
+            try:
+                kept, group_counts = self.filter_group(group)
+            except (ArithmeticError, LookupError, TypeError, ValueError) as e:  # this group's data, not the worker
+                await self.bus.dead_letter(entry, reason=f"filter: {type(e).__name__}: {e}", group=GROUP_FILTER,
+                                           extra=lambda pipe, entry=entry: release(entry, pipe))
+                continue
+            acks.append((entry.stream, GROUP_FILTER, entry.id))
             group_rewards = [s.reward for s in group.samples]
             rewards += group_rewards
-            kept, group_counts = self.filter_group(group)
             counts.add(group_counts)
             if group.mode == "rl" and len(group.samples) >= 2:
                 streak.add(zero_variance(group_rewards))

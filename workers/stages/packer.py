@@ -32,12 +32,13 @@ import os
 import time
 from dataclasses import dataclass
 
-from bus.errors import ConfigError, DecodeError
+import numpy as np
+
+from bus.errors import ConfigError
 from bus.keys import GROUP_PACKER
 from bus.log import get_logger
-from bus.messages import Metric, RolloutGroup, Sample, decode
+from bus.messages import Metric, RolloutGroup, Sample
 from bus.policy import PolicyTracker
-from bus.resp import as_str
 from bus.state import INFLIGHT_FIELD, LAST_STEP_FIELD, release_inflight
 from bus.streams import Bus, CommitConflict, Entry
 from workers.config import RlbusConfig
@@ -95,8 +96,7 @@ class PackerWorker:
         for stream in self.streams:
             await self.bus.ensure_group(stream, GROUP_PACKER)
         if self.vocab_size is None:
-            gibberish = any(f.type == "gibberish" for f in self.cfg.post_batch_filters)
-            self.vocab_size = model_vocab_size(self.config.model.path) if gibberish else 1
+            self.vocab_size = model_vocab_size(self.config.model.path)
         await self._restart_from_redis()
         self.log.info(
             "packer_ready", last_step=self.last_step, streams=self.streams, dp_size=self.config.trainer.nproc
@@ -146,43 +146,27 @@ class PackerWorker:
 
     async def _read(self, reclaim: bool) -> None:
         """Own pending entries first (after a start or a conflict), then claimed and new ones."""
+        release = release_inflight(self.bus.keys.state())
         if self._replay:
             for stream, after in list(self._replay.items()):
-                rows = await self.bus.redis.xreadgroup(GROUP_PACKER, self.worker, {stream: after}, count=64)
-                items = rows[0][1] if rows else []
-                if not items:
+                entries, next_after = await self.bus.read_pending(stream, GROUP_PACKER, after, on_dead=release)
+                if next_after is None:
                     del self._replay[stream]
                     continue
-                self._replay[stream] = as_str(items[-1][0])
-                await self._hold_raw(stream, items)
+                self._replay[stream] = next_after
+                for entry in entries:
+                    await self._hold(entry)
             return
         entries: list[Entry] = []
         if reclaim:  # idle entries of a dead consumer; our own held ones are kept busy by Bus.keep_claimed
             for stream in self.streams:
-                claimed = await self.bus.reclaim(
-                    stream, GROUP_PACKER, on_dead=release_inflight(self.bus.keys.state())
-                )
+                claimed = await self.bus.reclaim(stream, GROUP_PACKER, on_dead=release)
                 entries += [e for e in claimed if (e.stream, e.id) not in self._ids]
         entries += await self.bus.read_group(
             self.streams, GROUP_PACKER, count=64, block_ms=self.config.redis.block_ms
         )
         for entry in entries:
             await self._hold(entry)
-
-    async def _hold_raw(self, stream: str, items: list) -> None:
-        for raw_id, fields in items:
-            entry_id = as_str(raw_id)
-            if fields is None:  # trimmed while pending: nothing left to train on
-                await self.bus.ack(stream, GROUP_PACKER, [entry_id])
-                continue
-            try:
-                message = decode(fields)
-            except DecodeError as e:
-                await self.bus.dead_letter(
-                    stream, entry_id, fields, reason=f"decode: {e}", group=GROUP_PACKER
-                )
-                continue
-            await self._hold(Entry(stream, entry_id, fields, message))
 
     async def _hold(self, entry: Entry) -> None:
         if (entry.stream, entry.id) in self._ids:
@@ -191,6 +175,12 @@ class PackerWorker:
             await self.bus.dead_letter(
                 entry, reason=f"expected a rollout_group, got {entry.message.KIND}", group=GROUP_PACKER
             )
+            return
+        outside = out_of_vocabulary(entry.message, self.vocab_size)
+        if outside is not None:
+            release = release_inflight(self.bus.keys.state())
+            await self.bus.dead_letter(entry, reason=f"token id {outside} is outside the vocabulary [0, "
+                                       f"{self.vocab_size})", group=GROUP_PACKER, extra=lambda p: release(entry, p))
             return
         seq_len = self.cfg.seq_len
         tokens = sum(min(s.num_tokens, seq_len) for s in entry.message.samples)
@@ -361,3 +351,16 @@ def main(config: RlbusConfig, argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     return asyncio.run(run_worker(PackerWorker(config, worker=args.consumer)))
+
+
+def out_of_vocabulary(group: RolloutGroup, vocab_size: int) -> int | None:
+    """A token id of the group outside ``[0, vocab_size)`` (the first found), or None when every id is inside.
+
+    One pass per array: as uint32 a negative id is ≥ 2**31, so a single max catches both ends.
+    """
+    for sample in group.samples:
+        for ids in (sample.prompt_ids, sample.completion_ids):
+            if len(ids) and int(ids.view(np.uint32).max()) >= vocab_size:
+                bad = ids[(ids < 0) | (ids >= vocab_size)]
+                return int(bad[0])
+    return None

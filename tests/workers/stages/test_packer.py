@@ -8,6 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from bus.keys import GROUP_PACKER
 from bus.messages import Metric
 from bus.policy import publish_trained
@@ -204,6 +207,32 @@ def test_own_pending_entries_past_max_deliveries_go_dead_on_restart(bus, redis_u
             assert [h.group.task_id for h in worker.held] == [f"{ENV}:0:2"]
             (_, letter), = await b.read_fanout(b.keys.dead())
             assert letter.entry_id == poison and "delivered 6 times" in letter.reason
+            assert await b.state_get("inflight") == "2"
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad_id", [300, -4])
+def test_a_group_with_token_ids_outside_the_vocabulary_goes_dead(bus, redis_url, run_name, model_dir, bad_id):
+    cfg = config(redis_url, run_name, model_dir)  # the model's vocabulary: 300 ids
+
+    async def main():
+        async with bus("test") as b:
+            stream = b.keys.filtered(ENV)
+            await b.state_set(inflight=4)
+            bad = group(1, [1.0, 0.0])
+            bad.samples[1].completion_ids = np.array([1, bad_id, 2, 3, 4], np.int32)
+            await b.publish(stream, bad)
+            await b.publish(stream, group(2, [1.0, 0.0]))
+            worker = PackerWorker(cfg, worker="packer-0")
+            await worker.setup()
+            while worker._replay:  # its own pending entries first: none
+                await worker._read(reclaim=False)
+            await worker._read(reclaim=False)
+            await worker.close()
+            assert [h.group.task_id for h in worker.held] == [f"{ENV}:0:2"]
+            (_, letter), = await b.read_fanout(b.keys.dead())
+            assert f"token id {bad_id} is outside the vocabulary [0, 300)" in letter.reason
             assert await b.state_get("inflight") == "2"
 
     asyncio.run(main())
