@@ -6,8 +6,7 @@ stages that move a field do so in the same MULTI as the stream writes it account
 
 from collections.abc import Callable
 
-from redis.asyncio.client import Pipeline
-
+from bus.commit import CommandRecorder
 from bus.messages import RolloutGroup, Task
 from bus.streams import Entry
 
@@ -47,11 +46,11 @@ def eval_done_field(env: str) -> str:
     return f"eval:done:{env}"
 
 
-def release_inflight(state_key: str) -> Callable[[Entry, Pipeline], None]:
+def release_inflight(state_key: str) -> Callable[[Entry, CommandRecorder], None]:
     """An ``on_dead`` hook for Bus.reclaim: a training task or group dead-lettered between the feeder and
     the packer gives its samples back to the in-flight count (eval work never counted)."""
 
-    def release(entry: Entry, pipe: Pipeline) -> None:
+    def release(entry: Entry, pipe: CommandRecorder) -> None:
         message = entry.message
         if isinstance(message, Task) and message.eval_step is None:
             pipe.hincrby(state_key, INFLIGHT_FIELD, -message.group_size)

@@ -1,7 +1,8 @@
 """The bus: Redis streams with consumer groups, dead letters and atomic commits (asyncio, redis-py + hiredis).
 
 A consuming stage reads with :meth:`Bus.read_group`, does its work, then :meth:`Bus.commit`\\ s the
-acks of its inputs together with its outputs in one MULTI/EXEC, so a stage never half-commits.
+acks of its inputs together with its outputs in one atomic Lua script (:mod:`bus.commit`) that writes
+only while the stage still owns those inputs, so a stage never half-commits and never commits twice.
 Entries a dead consumer left pending come back through :meth:`Bus.reclaim`; entries that cannot be
 decoded, or were delivered more than ``max_deliveries`` times, go to the run's ``dead`` stream.
 
@@ -9,14 +10,15 @@ decoded, or were delivered more than ``max_deliveries`` times, go to the run's `
 """
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
-from redis.exceptions import ResponseError, WatchError
+from redis.exceptions import RedisError, ResponseError
 
+from bus.commit import COMMIT_LUA, RENEW_LUA, CommandRecorder, CommitConflict, NotOwned, commit_args
 from bus.config import RedisConfig
 from bus.errors import DecodeError, RlbusError
 from bus.keys import Keys
@@ -36,10 +38,6 @@ class Entry:
     deliveries: int = 1
 
 
-class CommitConflict(RlbusError):
-    """A commit guard did not hold (another worker moved first); nothing was written."""
-
-
 class Bus:
     """One worker's connection to one run's streams."""
 
@@ -49,6 +47,8 @@ class Bus:
         self.cfg = cfg
         self.worker = worker
         self.log = get_logger(worker=worker, run=run)
+        self._commit_script = client.register_script(COMMIT_LUA)
+        self._renew_script = client.register_script(RENEW_LUA)
 
     @classmethod
     async def connect(cls, url: str, run: str, cfg: RedisConfig, worker: str) -> "Bus":
@@ -138,7 +138,7 @@ class Bus:
         group: str,
         count: int = 16,
         *,
-        on_dead: Callable[[Entry, Pipeline], None] | None = None,
+        on_dead: Callable[[Entry, CommandRecorder], None] | None = None,
     ) -> list[Entry]:
         """Claim up to ``count`` entries idle ≥ ``claim_idle_ms`` (their consumer presumed dead).
 
@@ -170,7 +170,7 @@ class Bus:
         after: str = "0",
         count: int = 64,
         *,
-        on_dead: Callable[[Entry, Pipeline], None] | None = None,
+        on_dead: Callable[[Entry, CommandRecorder], None] | None = None,
     ) -> tuple[list[Entry], str | None]:
         """This consumer's own pending entries after ``after`` (a restarted worker's replay), through the same
         delivery-count check as :meth:`reclaim`. Returns the entries and the id to continue after (None: done)."""
@@ -181,7 +181,7 @@ class Bus:
         return await self._redelivered(stream, group, items, on_dead), as_str(items[-1][0])
 
     async def _redelivered(
-        self, stream: str, group: str, items: list, on_dead: Callable[[Entry, Pipeline], None] | None
+        self, stream: str, group: str, items: list, on_dead: Callable[[Entry, CommandRecorder], None] | None
     ) -> list[Entry]:
         """Decode entries delivered again; one delivered more than ``max_deliveries`` times goes to ``dead``."""
         if not items:
@@ -207,20 +207,46 @@ class Bus:
                 counts[as_str(row["message_id"])] = int(row["times_delivered"])
         return counts
 
-    async def keep_claimed(self, group: str, held: Callable[[], Iterable[tuple[str, str]]]) -> None:
-        """Forever: every ``claim_idle_ms / 3``, XCLAIM each ``(stream, id)`` of ``held()`` to this consumer
-        (min-idle 0, JUSTID: the delivery count stays), so entries still being worked on never look idle to
-        another consumer's :meth:`reclaim`. Run it as a task and cancel it when the worker stops."""
+    async def keep_claimed(
+        self,
+        group: str,
+        held: Callable[[], Iterable[tuple[str, str]]],
+        on_lost: Callable[[tuple[str, str]], None] | None = None,
+    ) -> None:
+        """Forever: every ``claim_idle_ms / 3``, reset the idle time of each ``(stream, id)`` of ``held()`` that
+        this consumer still owns (XCLAIM JUSTID: the delivery count stays), so entries still being worked on never
+        look idle to another consumer's :meth:`reclaim`. An entry another consumer took meanwhile is left with it
+        and passed to ``on_lost``. Redis errors are retried; when renewing has failed for ``claim_idle_ms`` the
+        held entries may already be someone else's, and this raises: the worker must stop. Run it beside the
+        worker's loop (``run_until_first``)."""
         period_s = self.cfg.claim_idle_ms / 3000
+        failing_since: float | None = None
         while True:
             await asyncio.sleep(period_s)
             entries = list(held())
-            if not entries:
+            try:
+                lost = await self._renew(group, entries)
+            except (RedisError, OSError) as e:
+                now = time.monotonic()
+                failing_since = failing_since or now
+                self.log.warning("keep_alive_failed", group=group, error=str(e))
+                if now - failing_since >= self.cfg.claim_idle_ms / 1000:
+                    raise RlbusError(f"keep-alive failed for {now - failing_since:.1f}s (redis.claim_idle_ms="
+                                     f"{self.cfg.claim_idle_ms}): the entries this worker holds may be reclaimed by "
+                                     f"another; stopping ({e})") from e
                 continue
-            pipe = self.redis.pipeline(transaction=False)
-            for stream, entry_id in entries:
-                pipe.xclaim(stream, group, self.worker, 0, [entry_id], justid=True)
-            await pipe.execute()
+            failing_since = None
+            for stream, entry_id in lost:
+                self.log.warning("entry_lost", stream=stream, entry_id=entry_id, hint="another consumer reclaimed it")
+                if on_lost is not None:
+                    on_lost((stream, entry_id))
+
+    async def _renew(self, group: str, entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Renew the entries this consumer owns; the ones it no longer owns."""
+        if not entries:
+            return []
+        lost = await self._renew_script(keys=[s for s, _ in entries], args=[group, self.worker, *(i for _, i in entries)])
+        return [entries[int(k)] for k in lost]
 
     async def ack(self, stream: str, group: str, ids: list[str]) -> None:
         if ids:
@@ -235,12 +261,12 @@ class Bus:
         reason: str,
         group: str | None = None,
         deliveries: int | None = None,
-        extra: Callable[[Pipeline], None] | None = None,
-    ) -> str:
+        extra: Callable[[CommandRecorder], None] | None = None,
+    ) -> str | None:
         """Publish a DeadLetter (reason + original fields) to ``dead`` and, with ``group``, ack the entry.
 
-        Pass an :class:`Entry`, or ``stream, entry_id, fields``; ``extra(pipe)`` joins the same commit.
-        Returns the dead letter's id.
+        Pass an :class:`Entry`, or ``stream, entry_id, fields``; ``extra(commands)`` joins the same commit.
+        Returns the dead letter's id (None: the entry is another consumer's now, nothing was written).
         """
         if isinstance(entry, Entry):
             stream, entry_id, fields = entry.stream, entry.id, entry.fields
@@ -258,7 +284,12 @@ class Bus:
             fields={as_str(k): v if isinstance(v, bytes) else str(v).encode() for k, v in (fields or {}).items()},
         )
         acks = [(stream, group, entry_id)] if group is not None else []
-        ids = await self.commit(acks, [(self.keys.dead(), letter)], extra=extra)
+        try:
+            ids = await self.commit(acks, [(self.keys.dead(), letter)], extra=extra)
+        except NotOwned:
+            self.log.warning("dead_letter_skipped", stream=stream, entry_id=entry_id, reason=reason,
+                             hint="another consumer reclaimed the entry; it is theirs to finish")
+            return None
         self.log.warning("entry_dead_lettered", stream=stream, entry_id=entry_id, reason=reason)
         return ids[0]
 
@@ -269,39 +300,30 @@ class Bus:
         acks: list[tuple[str, str, str]],
         outputs: list[tuple[str, Message]],
         *,
-        extra: Callable[[Pipeline], None] | None = None,
+        extra: Callable[[CommandRecorder], None] | None = None,
         guard: tuple[str, str, str | None] | None = None,
     ) -> list[str]:
-        """In one MULTI/EXEC: XACK each ``(stream, group, id)``, XADD each ``(stream, message)``, then ``extra(pipe)``.
+        """Atomically: XACK each ``(stream, group, id)``, XADD each ``(stream, message)``, then ``extra(commands)``.
 
-        ``guard=(hash_key, field, expected)``: WATCH the hash and commit only while HGET equals
-        ``expected`` (None = field absent), else raise :class:`CommitConflict` with nothing written.
+        Written only while every acked entry is still pending for this consumer, else :class:`NotOwned`
+        (another consumer reclaimed it, or a retry of a commit that went through). ``guard=(hash_key, field,
+        expected)``: only while HGET equals ``expected`` (None = field absent), else :class:`CommitConflict`.
+        Both checks run inside Redis in the same script as the writes; on either, nothing is written.
         Returns the ids of the outputs. The commit runs to its end even if the caller is cancelled.
         """
         encoded = [(stream, message.to_fields()) for stream, message in outputs]
-        return await asyncio.shield(self._commit(acks, encoded, extra, guard))
+        args = commit_args(self.worker, acks, encoded, self.cfg.maxlen, extra, guard)
+        return await asyncio.shield(self._commit(args.keys, args.argv, guard))
 
-    async def _commit(self, acks, encoded, extra, guard) -> list[str]:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            if guard is not None:
-                key, field, expected = guard
-                await pipe.watch(key)
-                current = await pipe.hget(key, field)
-                if (None if current is None else as_str(current)) != expected:
-                    raise CommitConflict(f"{key} {field} is {current!r}, expected {expected!r}")
-                pipe.multi()
-            for stream, group, entry_id in acks:
-                pipe.xack(stream, group, entry_id)
-            for stream, fields in encoded:
-                self._xadd(pipe, stream, fields)
-            if extra is not None:
-                extra(pipe)
-            try:
-                results = await pipe.execute()
-            except WatchError as e:
-                key, field, expected = guard
-                raise CommitConflict(f"{key} {field} changed during the commit (expected {expected!r})") from e
-        return [as_str(i) for i in results[len(acks) : len(acks) + len(encoded)]]
+    async def _commit(self, keys: list[str], argv: list, guard) -> list[str]:
+        reply = await self._commit_script(keys=keys, args=argv)
+        status = as_str(reply[0])
+        if status == "not_owned":
+            raise NotOwned(f"{as_str(reply[1])} entry {as_str(reply[2])} is no longer pending for {self.worker} "
+                           f"(another consumer reclaimed it, or this commit already went through); nothing was written")
+        if status == "conflict":
+            raise CommitConflict(f"{as_str(reply[1])} {as_str(reply[2])} is {reply[3]!r}, expected {guard[2]!r}")
+        return [as_str(i) for i in reply[1:]]
 
     # Fan-out reads (no group): weights, policy, metrics.
 

@@ -7,9 +7,12 @@ import pytest
 import redis
 from hypothesis import strategies as st
 
+from bus.arrays import packb
+from bus.commit import CommitConflict, NotOwned
+from bus.errors import RlbusError
 from bus.messages import DeadLetter, Metric, Task
 from bus.policy import PolicyTracker, publish_trained
-from bus.streams import CommitConflict, Entry
+from bus.streams import Entry
 from tests.paths import REPO
 
 GROUP = "rollout"
@@ -82,8 +85,8 @@ def test_malformed_entry_is_dead_lettered_and_consumer_keeps_going(bus):
     "fields, words",
     [
         ({b"\xff\xfe": b"\x00", b"kind": b"task"}, "no 'v' field"),
-        ({b"kind": b"task", b"v": b"1", b"data": b"\x93\xa2<i4\x91\x01\xc4\x04\x00\x00\x00\x00"}, "expected a map"),
-        ({b"kind": b"rollout_group", b"v": b"1", b"data": b"\x81\xa7samples\x91\x81\xaaprompt_ids\x93\xa3<x9\x91\x01\xc4\x04abcd"},
+        ({b"kind": b"task", b"v": b"1", b"data": packb(["<i4", [1], b"\x00" * 4])}, "expected a map"),
+        ({b"kind": b"rollout_group", b"v": b"1", b"data": packb({"samples": [{"prompt_ids": ["<x9", [1], b"abcd"]}]})},
          "does not validate"),
     ],
     ids=["non-utf8-field-name", "array-instead-of-map", "unknown-dtype"],
@@ -208,13 +211,12 @@ def test_commit_failure_between_acks_and_outputs_leaves_neither(bus):
             acks = [(tasks, GROUP, e.id) for e in entries]
             outputs = [(out, Metric(source="t", values={"n": 1.0}))]
 
-            def boom(*args):
-                raise RuntimeError("injected: died after queuing the acks")
+            class Unencodable(Metric):
+                def to_fields(self):
+                    raise RuntimeError("injected: died while encoding the outputs")
 
-            b._xadd = boom
             with pytest.raises(RuntimeError, match="injected"):
-                await b.commit(acks, outputs)
-            del b._xadd
+                await b.commit(acks, [*outputs, (out, Unencodable(source="t", values={}))])
             assert (await b.redis.xpending(tasks, GROUP))["pending"] == 1
             assert await b.redis.xlen(out) == 0
 
@@ -227,6 +229,74 @@ def test_commit_failure_between_acks_and_outputs_leaves_neither(bus):
             assert await b.redis.xlen(out) == 0
             await b.commit(acks, outputs)  # the connection is still usable
             assert (await b.redis.xpending(tasks, GROUP))["pending"] == 0 and await b.redis.xlen(out) == 1
+
+    asyncio.run(main())
+
+
+def test_a_commit_whose_input_was_reclaimed_writes_nothing(bus):
+    """A consumer stalled past claim_idle_ms lost its entry to another: its late commit must not publish."""
+
+    async def main():
+        async with bus("stalled", claim_idle_ms=100) as a, bus("other", claim_idle_ms=100) as b:
+            stream, out = a.keys.tasks("e"), a.keys.rollouts("e")
+            await a.publish(stream, task(0))
+            (mine,) = await a.read_group([stream], GROUP)
+            await asyncio.sleep(0.2)
+            (theirs,) = await b.reclaim(stream, GROUP)
+            await b.commit([(stream, GROUP, theirs.id)], [(out, Metric(source="other", values={}))])
+            with pytest.raises(NotOwned, match="no longer pending for stalled"):
+                await a.commit([(stream, GROUP, mine.id)], [(out, Metric(source="stalled", values={}))],
+                               extra=lambda pipe: pipe.hincrby(a.keys.state(), "inflight", -2))
+            assert [f[b"source"] for _, f in await a.redis.xrange(out)] == [b"other"]
+            assert await a.state_get("inflight") is None
+
+    asyncio.run(main())
+
+
+def test_a_commit_retried_after_its_reply_was_lost_publishes_once(bus):
+    async def main():
+        async with bus("w1") as b:
+            stream, out = b.keys.tasks("e"), b.keys.rollouts("e")
+            await b.publish(stream, task(0))
+            (entry,) = await b.read_group([stream], GROUP)
+            commit = ([(stream, GROUP, entry.id)], [(out, Metric(source="w1", values={}))])
+            await b.commit(*commit)
+            with pytest.raises(NotOwned):  # the retry of a commit that went through
+                await b.commit(*commit)
+            assert await b.redis.xlen(out) == 1
+
+    asyncio.run(main())
+
+
+def test_keep_alive_renews_only_what_this_consumer_still_owns(bus):
+    async def main():
+        async with bus("slow", claim_idle_ms=150) as a, bus("taker", claim_idle_ms=150) as b:
+            stream = a.keys.tasks("e")
+            await a.publish_many(stream, [task(0), task(1)])
+            held = [(stream, e.id) for e in await a.read_group([stream], GROUP, count=2)]
+            await asyncio.sleep(0.2)
+            (taken,) = await b.reclaim(stream, GROUP, count=1)  # the first one goes to the other consumer
+            lost = []
+            keep = asyncio.create_task(a.keep_claimed(GROUP, lambda: held, on_lost=lost.append))
+            await asyncio.sleep(0.2)
+            keep.cancel()
+            owners = {p["message_id"].decode(): p["consumer"].decode()
+                      for p in await a.redis.xpending_range(stream, GROUP, "-", "+", 10)}
+            assert owners == {taken.id: "taker", held[1][1]: "slow"}  # not taken back
+            assert lost and lost[0] == (stream, taken.id)
+
+    asyncio.run(main())
+
+
+def test_keep_alive_stops_the_worker_when_redis_stays_away(bus, monkeypatch):
+    async def main():
+        async with bus("w1", claim_idle_ms=150) as b:
+            async def refused(*args, **kwargs):
+                raise redis.ConnectionError("Redis went away")
+
+            monkeypatch.setattr(b, "_renew", refused)
+            with pytest.raises(RlbusError, match="keep-alive failed for"):
+                await asyncio.wait_for(b.keep_claimed(GROUP, lambda: [("s", "1-0")]), 5)
 
     asyncio.run(main())
 
@@ -245,11 +315,11 @@ def test_commit_guard(bus, redis_url):
 
             other = redis.Redis.from_url(redis_url)
 
-            def racing_writer(pipe):  # another packer commits between WATCH and EXEC
+            def racing_writer(pipe):  # another packer commits while this one prepares its commit
                 other.hset(state, "packer:last_step", 3)
                 step(3)(pipe)
 
-            with pytest.raises(CommitConflict, match="changed during the commit"):
+            with pytest.raises(CommitConflict, match="is b?'3', expected '2'"):
                 await b.commit([], [(out, metric)], guard=(state, "packer:last_step", "2"), extra=racing_writer)
             other.close()
             assert await b.redis.xlen(out) == 2

@@ -25,12 +25,13 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
+from bus.commit import CommitConflict
 from bus.errors import ConfigError
 from bus.log import get_logger
 from bus.messages import Task
 from bus.resp import as_str
 from bus.state import INFLIGHT_FIELD, cursor_field, epoch_field
-from bus.streams import Bus, CommitConflict
+from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.envs.server import EnvHandle
 from workers.lifecycle import connect_bus, consumer_name, run_worker

@@ -18,6 +18,7 @@ import asyncio
 import sys
 import time
 
+from bus.commit import NotOwned
 from bus.errors import CollapseError, ConfigError
 from bus.keys import GROUP_FILTER
 from bus.log import get_logger
@@ -156,7 +157,11 @@ class FilterWorker:
                 pipe.hincrby(state, INFLIGHT_FIELD, -dropped)
             streak.apply(pipe, state)
 
-        await self.bus.commit(acks, outputs, extra=extra)
+        try:
+            await self.bus.commit(acks, outputs, extra=extra)
+        except NotOwned as e:  # stalled past claim_idle_ms: another filter has these groups now
+            self.log.warning("groups_abandoned", groups=len(acks), error=str(e))
+            return
         self.groups += len(acks)
         self.log.info(
             "groups_filtered",

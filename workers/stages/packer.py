@@ -34,13 +34,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bus.commit import CommitConflict, NotOwned
 from bus.errors import ConfigError
 from bus.keys import GROUP_PACKER
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Sample
 from bus.policy import PolicyTracker
 from bus.state import INFLIGHT_FIELD, LAST_STEP_FIELD, release_inflight
-from bus.streams import Bus, CommitConflict, Entry
+from bus.streams import Bus, Entry
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, run_worker
 from workers.stages.packing import pack_step
@@ -113,17 +114,19 @@ class PackerWorker:
             await self.bus.close()
 
     async def run(self) -> None:
-        keep_alive = asyncio.create_task(self.bus.keep_claimed(GROUP_PACKER, lambda: self._ids))
+        self._keep_alive = asyncio.create_task(self.bus.keep_claimed(GROUP_PACKER, lambda: self._ids))
         try:
             await self._loop()
         finally:
-            keep_alive.cancel()
+            self._keep_alive.cancel()
         self.log.info("packer_stopped", last_step=self.last_step)
 
     async def _loop(self) -> None:
         max_steps = self.config.run.max_steps
         last_reclaim = time.monotonic()
         while not self._stop.is_set():
+            if self._keep_alive.done():
+                self._keep_alive.result()  # it gave up: the held groups may be another packer's now
             step = self.last_step + 1
             if max_steps is not None and step > max_steps:
                 self.log.info("packer_done", last_step=self.last_step)
@@ -311,25 +314,17 @@ class PackerWorker:
             pipe.hset(state, LAST_STEP_FIELD, step)
             pipe.hincrby(state, INFLIGHT_FIELD, -released)
 
-        while True:
-            try:
-                await self.bus.commit(
-                    acks,
-                    outputs,
-                    extra=extra,
-                    guard=(state, LAST_STEP_FIELD, expected),
-                )
-                self.stored = str(step)
-                return True
-            except CommitConflict:
-                # The state hash also holds counters other workers bump; retry unless the step moved.
-                if await self.bus.state_get(LAST_STEP_FIELD) == expected:
-                    continue
-                self.log.warning(
-                    "packer_step_taken", step=step, hint="another packer built this step; re-reading"
-                )
-                await self._restart_from_redis()
-                return False
+        try:
+            await self.bus.commit(acks, outputs, extra=extra, guard=(state, LAST_STEP_FIELD, expected))
+        except NotOwned as e:
+            self.log.warning("packer_input_lost", step=step, error=str(e), hint="re-reading what is still ours")
+        except CommitConflict:
+            self.log.warning("packer_step_taken", step=step, hint="another packer built this step; re-reading")
+        else:
+            self.stored = str(step)
+            return True
+        await self._restart_from_redis()
+        return False
 
 
 def _samples(held: list[Held]) -> int:

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import time
 
+from bus.commit import NotOwned
 from bus.errors import ConfigError
 from bus.keys import GROUP_ROLLOUT
 from bus.log import get_logger
@@ -107,6 +108,8 @@ class RolloutWorker:
         heartbeat = asyncio.create_task(self.bus.keep_claimed(GROUP_ROLLOUT, lambda: self._running))
         try:
             while not self._stop.is_set():
+                if heartbeat.done():
+                    heartbeat.result()  # it gave up: the running tasks may be another worker's now
                 busy = len(active) - self._gated
                 if busy >= limit:
                     # Re-check every block_ms: a group that reaches the gate frees its slot without finishing.
@@ -207,8 +210,12 @@ class RolloutWorker:
         generated = sum(int(s.loss_mask.sum()) for s in samples)
         metric = Metric(source="rollout", values={"tokens_generated": float(generated), "group_s": timings["total_s"],
                                                   "wait_gate_s": wait_gate_s})
-        await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)],
-                              [(self.bus.keys.rollouts(task.env), group), (self.bus.keys.metrics(), metric)])
+        try:
+            await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)],
+                                  [(self.bus.keys.rollouts(task.env), group), (self.bus.keys.metrics(), metric)])
+        except NotOwned as e:
+            log.warning("group_abandoned", error=str(e), hint="another worker reclaimed the task; its group counts")
+            return
         self.groups_done += 1
         log.info("group_done", reward=round(group.reward, 4), tokens=group.tokens, policy_version=group.policy_version,
                  total_s=round(timings["total_s"], 3))
@@ -220,7 +227,10 @@ class RolloutWorker:
 
     async def _hand_back(self, entry: Entry, task: Task) -> None:
         """Ack the task and add it again (one MULTI) so another worker takes it now."""
-        await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)], [(entry.stream, task)])
+        try:
+            await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)], [(entry.stream, task)])
+        except NotOwned:
+            pass  # another worker has it already
 
     async def _dead_letter(self, entry: Entry, task: Task, reason: str) -> None:
         """Dead-letter the task with its error and release its in-flight samples, in one MULTI."""

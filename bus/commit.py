@@ -1,0 +1,143 @@
+"""The atomic commit as one Lua script: it writes only while this consumer still owns what it acks.
+
+A stage acks its inputs and publishes its outputs in one step. Between its read and its commit
+another consumer may have reclaimed an input (this one was stalled past ``claim_idle_ms``), or a
+lost reply may have made it retry a commit that already went through. Either way the inputs are no
+longer pending for this consumer, so the script checks that first, inside Redis and in the same
+atomic step as the writes (a read-then-write from Python would race): for each ack,
+``XPENDING key group id id 1 consumer`` must list the entry. Then the optional guard (a state-hash
+field must hold an expected value), then XACK, XADD and the extra commands.
+
+The extra commands are recorded from the same redis-py calls a pipeline takes
+(``extra(commands)`` calls ``commands.hincrby(...)``); their first argument is a key of the run.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.commands.core import CoreCommands
+
+from bus.errors import RlbusError
+
+COMMIT_LUA = """
+local consumer, i = ARGV[1], 2
+local function key() local k = KEYS[tonumber(ARGV[i])]; i = i + 1; return k end
+local function arg() local a = ARGV[i]; i = i + 1; return a end
+local acks = {}
+for a = 1, tonumber(arg()) do
+  local stream, group, id = key(), arg(), arg()
+  if #redis.call('XPENDING', stream, group, id, id, 1, consumer) == 0 then
+    return {'not_owned', stream, id}
+  end
+  acks[a] = {stream, group, id}
+end
+if arg() == '1' then
+  local hash, fld, present, expected = key(), arg(), arg(), arg()
+  local current = redis.call('HGET', hash, fld)
+  if (present == '0' and current) or (present == '1' and current ~= expected) then
+    return {'conflict', hash, fld, current or ''}
+  end
+end
+for _, ack in ipairs(acks) do redis.call('XACK', ack[1], ack[2], ack[3]) end
+local ids = {'ok'}
+for _ = 1, tonumber(arg()) do
+  local stream, maxlen, pairs = key(), arg(), tonumber(arg())
+  local cmd = {'XADD', stream, 'MAXLEN', '~', maxlen, '*'}
+  for _ = 1, 2 * pairs do cmd[#cmd + 1] = arg() end
+  ids[#ids + 1] = redis.call(unpack(cmd))
+end
+for _ = 1, tonumber(arg()) do
+  local n = tonumber(arg())
+  local cmd = {arg(), key()}
+  for _ = 3, n do cmd[#cmd + 1] = arg() end
+  redis.call(unpack(cmd))
+end
+return ids
+"""
+"""ARGV: consumer, then the acks (count; key index, group, id each), the guard (flag; key index, field,
+present flag, expected), the XADDs (count; key index, maxlen, pair count, fields and values each) and the
+extra commands (count; argument count, name, key index, the other arguments each). KEYS: every key touched."""
+
+RENEW_LUA = """
+local lost = {}
+for k = 1, #KEYS do
+  local id = ARGV[2 + k]
+  if #redis.call('XPENDING', KEYS[k], ARGV[1], id, id, 1, ARGV[2]) == 0 then
+    lost[#lost + 1] = k - 1
+  else
+    redis.call('XCLAIM', KEYS[k], ARGV[1], ARGV[2], 0, id, 'JUSTID')
+  end
+end
+return lost
+"""
+"""KEYS: one stream per held entry; ARGV: group, consumer, then the entry ids. Returns the (0-based) positions
+of the entries this consumer no longer owns; the others get their idle time reset (JUSTID: the delivery count stays)."""
+
+
+class CommitConflict(RlbusError):
+    """A commit guard did not hold (another worker moved first); nothing was written."""
+
+
+class NotOwned(CommitConflict):
+    """An input of the commit is no longer pending for this consumer (reclaimed by another, or this very commit
+    already went through before its reply was lost); nothing was written."""
+
+
+class CommandRecorder(CoreCommands):
+    """Takes redis-py command calls (``hincrby``, ``hset``, …) and keeps their argument lists instead of sending them."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[Any, ...]] = []
+
+    def execute_command(self, *args: Any, **options: Any) -> "CommandRecorder":
+        self.commands.append(args)
+        return self
+
+
+@dataclass
+class CommitArgs:
+    """KEYS and ARGV of one run of :data:`COMMIT_LUA`."""
+
+    consumer: str
+    keys: list[str] = field(default_factory=list)
+    argv: list[Any] = field(default_factory=list)
+
+    def key(self, name: str) -> int:
+        """The 1-based KEYS index of ``name`` (added when new)."""
+        if name not in self.keys:
+            self.keys.append(name)
+        return self.keys.index(name) + 1
+
+
+def commit_args(
+    consumer: str,
+    acks: list[tuple[str, str, str]],
+    outputs: list[tuple[str, dict]],
+    maxlen: int,
+    extra: Callable[[CommandRecorder], None] | None,
+    guard: tuple[str, str, str | None] | None,
+) -> CommitArgs:
+    """Encode one commit for :data:`COMMIT_LUA` (``outputs``: stream and encoded fields)."""
+    args = CommitArgs(consumer)
+    argv = [consumer, len(acks)]
+    for stream, group, entry_id in acks:
+        argv += [args.key(stream), group, entry_id]
+    if guard is None:
+        argv.append("0")
+    else:
+        hash_key, name, expected = guard
+        argv += ["1", args.key(hash_key), name, "0" if expected is None else "1", expected or ""]
+    argv.append(len(outputs))
+    for stream, fields in outputs:
+        argv += [args.key(stream), maxlen, len(fields)]
+        for name, value in fields.items():
+            argv += [name, value]
+    recorder = CommandRecorder()
+    if extra is not None:
+        extra(recorder)
+    argv.append(len(recorder.commands))
+    for name, target, *rest in recorder.commands:
+        argv += [2 + len(rest), name, args.key(target), *rest]
+    args.argv = argv
+    return args
