@@ -31,6 +31,11 @@ class RedisConfig(Section):
     max_deliveries: int = Field(5, ge=1)
     """An entry delivered this many times without an ack goes to ``dead``."""
 
+    reconnect_timeout_s: float = Field(60.0, ge=0)
+    """How long a Redis call keeps retrying while the server is unreachable (a restart, a blip, a failover),
+    reconnecting with exponential backoff from 0.1 s up to 5 s between tries; past it the call fails and the
+    worker exits for its supervisor to restart. 0: fail at once."""
+
 
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bus.commit import COMMIT_LUA, RENEW_LUA, CommandRecorder, CommitConflict, NotOwned, commit_args
 from bus.config import RedisConfig
@@ -25,6 +29,19 @@ from bus.keys import Keys
 from bus.log import get_logger
 from bus.messages import DeadLetter, Message, decode
 from bus.resp import as_str, fast_packing
+
+RECONNECT_BASE_S = 0.1
+"""First wait before retrying a Redis call that failed to connect; it doubles per try."""
+RECONNECT_MAX_S = 5.0
+"""Longest wait between two tries."""
+
+
+def reconnect_tries(timeout_s: float) -> int:
+    """Retries whose backoff waits (0.1 s, 0.2 s, … capped at 5 s) add up to at least ``timeout_s``."""
+    tries, waited, wait = 0, 0.0, RECONNECT_BASE_S
+    while waited < timeout_s:
+        tries, waited, wait = tries + 1, waited + wait, min(wait * 2, RECONNECT_MAX_S)
+    return tries
 
 
 @dataclass(slots=True)
@@ -53,7 +70,10 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, run: str, cfg: RedisConfig, worker: str) -> "Bus":
         """Connect to ``url`` (checked with PING) as consumer ``worker`` of run ``run``."""
-        client = aioredis.Redis.from_url(url, decode_responses=False)
+        retry = Retry(ExponentialBackoff(cap=RECONNECT_MAX_S, base=RECONNECT_BASE_S),
+                      retries=reconnect_tries(cfg.reconnect_timeout_s))
+        client = aioredis.Redis.from_url(url, decode_responses=False, retry=retry,
+                                         retry_on_error=[RedisConnectionError, RedisTimeoutError])
         pool = client.connection_pool
         pool.connection_class = fast_packing(pool.connection_class)
         try:

@@ -2,6 +2,7 @@
 
 import asyncio
 import importlib.util
+import time
 
 import pytest
 import redis
@@ -370,3 +371,32 @@ def test_bus_benchmark_runs(redis_url, capsys):
     ratio = asyncio.run(bench.bench(redis_url, n=128, batch=32, rounds=1))
     assert ratio > 0
     assert "bus " in capsys.readouterr().out
+
+
+def test_a_redis_restart_is_ridden_out(tmp_path):
+    """The server goes away mid-run and comes back (same port, its AOF): every call in between waits and retries."""
+    from bus.config import RedisConfig
+    from bus.local_redis import LocalRedis
+    from bus.streams import Bus
+
+    async def main():
+        server = LocalRedis(dir=tmp_path)
+        url = server.start()
+        port = server.port
+        bus_ = await Bus.connect(url, "restart", RedisConfig(url=url), "w1")
+        try:
+            stream = bus_.keys.tasks("e")
+            await bus_.publish(stream, task(0))
+            (entry,) = await bus_.read_group([stream], GROUP)
+            server.stop()
+            restarted = LocalRedis(port=port, dir=tmp_path)
+            back = asyncio.get_running_loop().run_in_executor(None, lambda: (time.sleep(1.0), restarted.start()))
+            await bus_.publish(stream, task(1))  # waits for the server, then goes through
+            await back
+            await bus_.commit([(stream, GROUP, entry.id)], [(bus_.keys.rollouts("e"), Metric(source="w1", values={}))])
+            assert await bus_.redis.xlen(stream) == 2 and await bus_.redis.xlen(bus_.keys.rollouts("e")) == 1
+        finally:
+            await bus_.close()
+            restarted.stop()
+
+    asyncio.run(main())

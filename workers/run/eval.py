@@ -106,7 +106,8 @@ class EvalCoordinator:
         self.indices = {name: self._indices(env, sizes[name]) for name, env in self.envs.items()}
         self.pending: dict[tuple[str, int], _Pending] = {}
         self.finished: set[tuple[str, int]] = set()
-        self.consumer = "eval"
+        self.consumer = bus.worker
+        """Consumer name in group ``eval``: the bus's own, so its commits may ack what it read."""
         self.log = get_logger(worker="eval", run=config.run.name)
 
     def _indices(self, env: EvalEnvConfig, size: int) -> list[int]:

@@ -157,6 +157,8 @@ class RunSession:
         self.stop = asyncio.Event()
         self.stopped_because = "stopped"
         self.fatal: str | None = None
+        self.background: list[asyncio.Task] = []
+        """The run's own tasks beside the status loop (metrics, eval); one that fails stops the run."""
         self.started = time.monotonic()
         self.metrics_last_id = "0"
         """The last metrics entry copied to metrics.jsonl."""
@@ -338,9 +340,10 @@ class RunSession:
         probe = RunProbe(self.config, bus)
         writer = MetricsWriter(self.output_dir, self.config.run.name, self.config.wandb,
                                self.config.model_dump(mode="json"))
-        tasks = [asyncio.create_task(self._follow_metrics(bus, writer, probe))]
+        tasks = [asyncio.create_task(self._follow_metrics(bus, writer, probe), name="metrics")]
         if evaluator is not None:
-            tasks.append(asyncio.create_task(self._run_eval(evaluator)))
+            tasks.append(asyncio.create_task(self._run_eval(evaluator), name="eval"))
+        self.background = tasks
         try:
             await self._loop(bus, probe, evaluator)
         finally:
@@ -372,6 +375,10 @@ class RunSession:
                 elif snap.trained != last_line_step:
                     print(plain_line(snap), flush=True)
                     last_line_step = snap.trained
+                failed = self._failed_background()
+                if failed:
+                    self.fatal, self.stopped_because = failed, "error"
+                    break
                 reason = await bus.state_get(STOP_REASON_FIELD)
                 if reason:
                     self.fatal, self.stopped_because = reason, "stop_reason"
@@ -402,6 +409,14 @@ class RunSession:
                 probe.observe(writer.write(entry_id, message))
             self.metrics_last_id = entry_id  # with the write: a cancelled reader never leaves a row to repeat
         return len(entries)
+
+    def _failed_background(self) -> str | None:
+        """What went wrong in a background task (metrics, eval) that ended; None while they all run."""
+        for task in self.background:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                error = task.exception()
+                return f"the run's {task.get_name()} task failed: {type(error).__name__}: {error}"
+        return None
 
     async def _run_eval(self, evaluator) -> None:
         while True:
