@@ -56,6 +56,11 @@ class Keys:
         """Stream of dead letters: entries that failed too often or could not be decoded."""
         return f"{self.prefix}dead"
 
+    def packed(self, env: str, epoch: int) -> str:
+        """Bitmap of env ``env``'s epoch ``epoch``: bit ``p`` is set once the task at position ``p`` was consumed by the
+        packer (packed or dropped as stale), so a second group for it is dropped."""
+        return f"{self.prefix}packed:{env}:{epoch}"
+
     def state(self) -> str:
         """Hash of small counters and cursors (feeder cursor, in-flight count, last packed step)."""
         return f"{self.prefix}state"

@@ -164,6 +164,20 @@ def _plain(model: BaseModel) -> dict[str, Any]:
     return out
 
 
+def training_task_id(env: str, epoch: int, position: int) -> str:
+    """The id of the training task at ``position`` of ``env``'s epoch ``epoch``: ``{env}:{epoch}:{position}``."""
+    return f"{env}:{epoch}:{position}"
+
+
+def task_position(task_id: str) -> tuple[str, int, int] | None:
+    """``(env, epoch, position)`` of a training task id; None for any other id (eval tasks, foreign ones)."""
+    env, _, rest = task_id.rpartition(":")
+    env, _, epoch = env.rpartition(":")
+    if not env or not epoch.isdigit() or not rest.isdigit():
+        return None
+    return env, int(epoch), int(rest)
+
+
 class Task(Message):
     """One example to roll out as a group: feeder → ``tasks:{env}`` → rollout workers."""
 
@@ -223,6 +237,10 @@ class Sample(_Model):
     """Model turns in the episode."""
     mode: Mode = "rl"
     """Training mode (which loss trains it); always its group's mode (taken from the group when unset)."""
+    task_id: str = ""
+    """The task this sample answers: always its group's (taken from the group when unset)."""
+    index: int = Field(0, ge=0)
+    """Its place in the group as the rollout made it, kept through filtering (set by the group when unset)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Sample":
@@ -267,12 +285,19 @@ class RolloutGroup(Message):
     """Unix time the group was published."""
 
     @model_validator(mode="after")
-    def _samples_share_the_mode(self) -> "RolloutGroup":
-        for sample in self.samples:
-            if "mode" not in sample.model_fields_set:
+    def _samples_belong_to_the_group(self) -> "RolloutGroup":
+        for position, sample in enumerate(self.samples):
+            given = sample.model_fields_set
+            if "mode" not in given:
                 sample.mode = self.mode
             elif sample.mode != self.mode:
                 raise ValueError(f"a sample has mode {sample.mode!r} in a group of mode {self.mode!r}")
+            if "task_id" not in given:
+                sample.task_id = self.task_id
+            elif sample.task_id != self.task_id:
+                raise ValueError(f"a sample of task {sample.task_id!r} in the group of task {self.task_id!r}")
+            if "index" not in given:
+                sample.index = position
         return self
 
     @computed_field  # type: ignore[prop-decorator]
@@ -332,6 +357,10 @@ class MicroBatch(Message):
     """Start policy version of each packed sample (for the steps-off-policy metric)."""
     rewards: Float32Array
     """Reward of each packed sample (for metrics)."""
+    task_ids: list[str] = Field(default_factory=list)
+    """The task of each packed sample ("" for a padding sample; empty in batches recorded before these existed)."""
+    sample_indices: Int32Array = Field(default_factory=lambda: np.zeros(0, np.int32))
+    """Each packed sample's index in its group: with ``task_ids``, what was trained, auditable."""
 
     @property
     def tokens(self) -> int:
@@ -353,7 +382,8 @@ class MicroBatch(Message):
         _same_length(n, "tokens", position_ids=self.position_ids, loss_mask=self.loss_mask,
                      advantages=self.advantages, inference_logprobs=self.inference_logprobs,
                      teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures)
-        _same_length(k, "samples", policy_versions=self.policy_versions, rewards=self.rewards)
+        _same_length(k, "samples", policy_versions=self.policy_versions, rewards=self.rewards,
+                     task_ids=self.task_ids or None, sample_indices=self.sample_indices if len(self.sample_indices) else None)
         if int(self.sample_lengths.sum(dtype=np.int64)) != n or (k and int(self.sample_lengths.min()) < 1):
             raise ValueError(f"sample_lengths sum to {int(self.sample_lengths.sum(dtype=np.int64))} but the "
                              f"micro-batch has {n} tokens (each sample needs at least one)")

@@ -111,6 +111,8 @@ def micro_batches(draw):
         teacher_logprobs=draw(st.none() | float32s(n)),
         temperatures=draw(float32s(n)),
         sample_lengths=np.array(sizes, np.int32),
+        task_ids=draw(st.lists(text, min_size=k, max_size=k)),
+        sample_indices=draw(hnp.arrays(np.int32, k, elements=st.integers(0, 1000))),
         policy_versions=draw(int32s(k)),
         rewards=draw(float32s(k)),
     )
@@ -339,3 +341,16 @@ def test_micro_batches_that_contradict_themselves_are_rejected(change, words):
     fields = MicroBatch.model_construct(**(good | change)).to_fields()
     with pytest.raises(DecodeError, match=words):
         decode(as_redis(fields))
+
+
+def test_each_sample_knows_its_task_and_its_place_in_the_group_through_filtering():
+    samples = [Sample(prompt_ids=[1], completion_ids=[2], completion_logprobs=[-1.0], loss_mask=[True], reward=r)
+               for r in (0.0, 1.0, 0.5)]
+    group = RolloutGroup(task_id="e:0:7", env="e", example_id="7", samples=samples)
+    assert [(s.task_id, s.index) for s in group.samples] == [("e:0:7", 0), ("e:0:7", 1), ("e:0:7", 2)]
+    filtered = group.model_copy(update={"samples": [group.samples[0], group.samples[2]]})
+    back = decode(as_redis(filtered.to_fields()))
+    assert [(s.task_id, s.index) for s in back.samples] == [("e:0:7", 0), ("e:0:7", 2)]
+    stranger = Sample(prompt_ids=[1], completion_ids=[2], completion_logprobs=[-1.0], loss_mask=[True], task_id="x")
+    with pytest.raises(ValueError, match="a sample of task 'x' in the group of task 'e:0:7'"):
+        RolloutGroup(task_id="e:0:7", env="e", example_id="7", samples=[stranger])

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from bus.commit import CommitConflict
 from bus.errors import ConfigError
 from bus.log import get_logger
-from bus.messages import Task
+from bus.messages import Task, training_task_id
 from bus.resp import as_str
 from bus.state import INFLIGHT_FIELD, cursor_field, epoch_field
 from bus.streams import Bus
@@ -173,7 +173,7 @@ class FeederWorker:
 
     async def _issue(self, c: EnvCursor) -> None:
         index = c.example_index(self.config.run.seed, self.config.feeder.shuffle)
-        task = Task(task_id=f"{c.name}:{c.epoch}:{c.position}", env=c.name, example_index=index,
+        task = Task(task_id=training_task_id(c.name, c.epoch, c.position), env=c.name, example_index=index,
                     example_id=str(index), epoch=c.epoch, group_size=c.group_size, mode=c.mode)
         position, epoch = c.advance()
         state = self.bus.keys.state()

@@ -38,7 +38,7 @@ from bus.commit import CommitConflict, NotOwned
 from bus.errors import ConfigError
 from bus.keys import GROUP_PACKER
 from bus.log import get_logger
-from bus.messages import Metric, RolloutGroup, Sample
+from bus.messages import Metric, RolloutGroup, Sample, task_position
 from bus.policy import PolicyTracker
 from bus.state import INFLIGHT_FIELD, LAST_STEP_FIELD, release_inflight
 from bus.streams import Bus, Entry
@@ -179,6 +179,9 @@ class PackerWorker:
                 entry, reason=f"expected a rollout_group, got {entry.message.KIND}", group=GROUP_PACKER
             )
             return
+        if await self._consumed_before(entry.message):
+            await self._drop_duplicate(entry)
+            return
         outside = out_of_vocabulary(entry.message, self.vocab_size)
         if outside is not None:
             release = release_inflight(self.bus.keys.state())
@@ -200,6 +203,34 @@ class PackerWorker:
             (fresh if held.group.policy_version >= oldest else self.stale).append(held)
         self.held = fresh
 
+    async def _consumed_before(self, group: RolloutGroup) -> bool:
+        """Whether a group of this task is held here or was packed or dropped as stale already."""
+        if any(h.group.task_id == group.task_id for h in self.held + self.stale):
+            return True
+        position = task_position(group.task_id)
+        if position is None:
+            return False
+        env, epoch, index = position
+        return bool(await self.bus.redis.getbit(self.bus.keys.packed(env, epoch), index))
+
+    async def _drop_duplicate(self, entry: Entry) -> None:
+        """Ack a second group of one task, count it, release nothing (the feeder counted the task once)."""
+        metric = Metric(source="packer", values={"packer/duplicate_groups": 1.0})
+        try:
+            await self.bus.commit([(entry.stream, GROUP_PACKER, entry.id)], [(self.bus.keys.metrics(), metric)])
+        except NotOwned:
+            return
+        self.log.warning("duplicate_group_dropped", stream=entry.stream, entry_id=entry.id,
+                         task_id=entry.message.task_id)
+
+    def _mark_consumed(self, commands, groups: list["Held"]) -> None:
+        """Set each training task's bit in its epoch's ``packed`` bitmap (inside the commit that consumes it)."""
+        for held in groups:
+            position = task_position(held.group.task_id)
+            if position is not None:
+                env, epoch, index = position
+                commands.setbit(self.bus.keys.packed(env, epoch), index, 1)
+
     async def _release_stale(self, step: int) -> None:
         """Ack the stale groups, report them for ``step`` and release their in-flight samples, in one commit."""
         stale = self.stale
@@ -207,9 +238,16 @@ class PackerWorker:
         acks = [(h.entry.stream, GROUP_PACKER, h.entry.id) for h in stale]
         metric = Metric(source="packer", step=step, values={"packer/stale_groups": float(len(stale))})
         state = self.bus.keys.state()
-        await self.bus.commit(
-            acks, [(self.bus.keys.metrics(), metric)], extra=lambda pipe: pipe.hincrby(state, INFLIGHT_FIELD, -samples)
-        )
+        def extra(commands) -> None:
+            commands.hincrby(state, INFLIGHT_FIELD, -samples)
+            self._mark_consumed(commands, stale)
+
+        try:
+            await self.bus.commit(acks, [(self.bus.keys.metrics(), metric)], extra=extra)
+        except NotOwned as e:
+            self.log.warning("packer_input_lost", step=step, error=str(e), hint="re-reading what is still ours")
+            await self._restart_from_redis()
+            return
         self.stale = []
         self._ids -= {(h.entry.stream, h.entry.id) for h in stale}
         self.log.info("stale_groups_dropped", step=step, groups=len(stale), samples=samples)
@@ -279,7 +317,7 @@ class PackerWorker:
         if os.environ.get(PAUSE_ENV):
             self.log.warning("packer_commit_paused", step=step, pause_s=float(os.environ[PAUSE_ENV]))
             await asyncio.sleep(float(os.environ[PAUSE_ENV]))
-        if not await self._commit(step, acks, outputs, released):
+        if not await self._commit(step, acks, outputs, released, taken):
             return
         self.held = self.held[len(taken) :]
         self._ids -= {(h.entry.stream, h.entry.id) for h in taken}
@@ -305,7 +343,7 @@ class PackerWorker:
             samples += kept
         return samples, rewards, counts
 
-    async def _commit(self, step: int, acks: list, outputs: list, released: int) -> bool:
+    async def _commit(self, step: int, acks: list, outputs: list, released: int, taken: list["Held"]) -> bool:
         """The guarded commit (``released``: in-flight samples it ends); False when another packer built the step."""
         state = self.bus.keys.state()
         expected = self.stored
@@ -313,6 +351,7 @@ class PackerWorker:
         def extra(pipe) -> None:
             pipe.hset(state, LAST_STEP_FIELD, step)
             pipe.hincrby(state, INFLIGHT_FIELD, -released)
+            self._mark_consumed(pipe, taken)
 
         try:
             await self.bus.commit(acks, outputs, extra=extra, guard=(state, LAST_STEP_FIELD, expected))

@@ -144,6 +144,8 @@ def build_micro_batch(samples: list[Sample], *, step: int, index: int, count: in
         sample_lengths=lengths,
         policy_versions=np.array([s.policy_version_start for s in samples], dtype=np.int32),
         rewards=np.array([s.reward for s in samples], dtype=np.float32),
+        task_ids=[s.task_id for s in samples],
+        sample_indices=np.array([s.index for s in samples], dtype=np.int32),
     )
 
 
@@ -169,6 +171,8 @@ def padding_micro_batch(*, step: int, index: int, count: int, mode: Mode) -> Mic
         sample_lengths=np.ones(1, dtype=np.int32),
         policy_versions=np.array([max(step - 1, 0)], dtype=np.int32),
         rewards=np.zeros(1, dtype=np.float32),
+        task_ids=[""],
+        sample_indices=np.zeros(1, dtype=np.int32),
     )
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from bus.errors import ConfigError, DecodeError
 from bus.keys import Keys
-from bus.messages import decode
+from bus.messages import MicroBatch, decode
 from bus.resp import as_str
 from workers.config import RlbusConfig
 
@@ -109,6 +109,39 @@ def tail(client: redis.Redis, keys: Keys, stream: str, count: int) -> dict[str, 
     return {"run": keys.run, "stream": key, "entries": entries}
 
 
+def audit(client: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """What ``batches:*`` trained, sample by sample (task id, index in its group), and every sample trained twice."""
+    steps_of: dict[tuple[str, int], list[int]] = {}
+    micro_batches = steps = 0
+    for key in client.scan_iter(match=f"{keys.prefix}batches:*", count=1000, _type="stream"):
+        steps += 1
+        for _, fields in client.xrange(key):
+            try:
+                mb = decode(fields)
+            except DecodeError:
+                continue
+            if not isinstance(mb, MicroBatch):
+                continue
+            micro_batches += 1
+            for task_id, index in zip(mb.task_ids, mb.sample_indices.tolist(), strict=False):
+                if task_id:  # padding samples have none
+                    steps_of.setdefault((task_id, index), []).append(mb.step)
+    twice = [{"task_id": t, "index": i, "steps": sorted(s)} for (t, i), s in sorted(steps_of.items()) if len(s) > 1]
+    return {"run": keys.run, "steps": steps, "micro_batches": micro_batches,
+            "samples": sum(len(s) for s in steps_of.values()), "trained_twice": twice}
+
+
+def format_audit(result: dict[str, Any]) -> str:
+    lines = [f"run {result['run']}: {result['samples']} samples in {result['micro_batches']} micro-batches of "
+             f"{result['steps']} steps"]
+    for row in result["trained_twice"]:
+        lines.append(f"trained twice: {row['task_id']} sample {row['index']} at steps "
+                     + ", ".join(map(str, row["steps"])))
+    if not result["trained_twice"]:
+        lines.append("trained twice: none")
+    return "\n".join(lines)
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The run report as a plain-text table."""
     lines = [f"run {report['run']}: {len(report['streams'])} streams"]
@@ -150,6 +183,8 @@ def parse_args(argv: list[str], config: RlbusConfig | None) -> argparse.Namespac
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--tail", type=int, metavar="N", help="decode the last N entries of --stream")
     parser.add_argument("--stream", help="stream for --tail: short name (dead, rollouts:ENV) or full key")
+    parser.add_argument("--audit", action="store_true",
+                        help="check batches:* for samples trained twice (exit 1 when there are any)")
     args = parser.parse_args(argv)
     if args.run is None:
         parser.error("--run NAME is required (or give a config with run.name)")
@@ -167,6 +202,10 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     except redis.ConnectionError as e:
         raise ConfigError(f"cannot reach Redis at {args.redis_url}: {e}; pass --redis-url") from e
     try:
+        if args.audit:
+            result = audit(client, keys)
+            print(json.dumps(result, indent=2) if args.json else format_audit(result))
+            return 1 if result["trained_twice"] else 0
         if args.tail is not None:
             result = tail(client, keys, args.stream, args.tail)
             print(json.dumps(result, indent=2, default=str) if args.json else format_tail(result))

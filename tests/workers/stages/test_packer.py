@@ -236,3 +236,32 @@ def test_a_group_with_token_ids_outside_the_vocabulary_goes_dead(bus, redis_url,
             assert await b.state_get("inflight") == "2"
 
     asyncio.run(main())
+
+
+def test_a_second_group_for_the_same_task_is_dropped_and_counted(bus, redis_url, run_name, model_dir):
+    cfg = config(redis_url, run_name, model_dir, batch_size=2)
+
+    async def main():
+        async with bus("test") as b:
+            stream = b.keys.filtered(ENV)
+            await b.state_set(inflight=4)
+            await b.publish(stream, group(1, [1.0, 0.0]))
+            await b.publish(stream, group(1, [0.5, 0.0]))  # the same task again: a bug upstream
+            await b.publish(stream, group(2, [1.0, 0.0]))
+            worker = PackerWorker(cfg, worker="packer-0")
+            await worker.setup()
+            while worker._replay:
+                await worker._read(reclaim=False)
+            await worker._read(reclaim=False)
+            await worker.build(1)
+            await worker._read(reclaim=False)
+            await worker.build(2)
+            await worker.close()
+            trained = [t for s in (1, 2) for mb in await micro_batches(b, s) for t in mb.task_ids if t]
+            assert sorted(trained) == [f"{ENV}:0:1"] * 2 + [f"{ENV}:0:2"] * 2
+            metrics = [Metric.from_fields(f).values for _, f in await b.redis.xrange(b.keys.metrics())]
+            assert sum(m.get("packer/duplicate_groups", 0) for m in metrics) == 1
+            assert await pending(b, stream, GROUP_PACKER) == 0
+            assert await b.state_get("inflight") == "0"
+
+    asyncio.run(main())

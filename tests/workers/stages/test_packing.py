@@ -26,6 +26,8 @@ def make_sample(
         policy_version_start=uid % 5,
         temperature=0.7,
         mode=mode,
+        task_id=f"t{uid}",
+        index=uid,
     )
 
 
@@ -46,6 +48,8 @@ def test_micro_batch_arrays_by_hand():
     assert mb.sample_lengths.tolist() == [5, 3]
     assert mb.policy_versions.tolist() == [1, 2]
     assert mb.rewards.tolist() == [1.0, 2.0]
+    assert mb.task_ids == ["t1", "t2"] and mb.sample_indices.tolist() == [1, 2]  # who was trained, auditable
+    assert pad.task_ids == [""]
     assert np.allclose(mb.temperatures, 0.7)
     assert pad.loss_tokens == 0 and pad.index == 1 and pad.count == 2
     # survives the wire
