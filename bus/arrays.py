@@ -6,6 +6,7 @@ The pydantic array types below turn that triple back into a read-only numpy view
 (copy before writing into it). Plain lists are accepted too, for convenience when building messages.
 """
 
+import math
 import threading
 from typing import Annotated, Any
 
@@ -112,6 +113,27 @@ def _coercer(dtype: np.dtype):
     return coerce
 
 
+def check_lengths(expected: int, unit: str, **arrays: np.ndarray | None) -> None:
+    """Every array given has ``expected`` entries (None: absent, fine)."""
+    for name, array in arrays.items():
+        if array is not None and len(array) != expected:
+            raise ValueError(f"{name} has {len(array)} entries for {expected} {unit}")
+
+
+def check_token_ids(*arrays: np.ndarray) -> None:
+    """No token id is negative (the upper bound, the vocabulary, is the packer's to check)."""
+    for array in arrays:
+        if len(array) and int(array.min()) < 0:
+            raise ValueError(f"negative token id {int(array.min())}")
+
+
+def check_finite(**arrays: np.ndarray | None) -> None:
+    """Every value is finite. Hot path: one float64 sum is finite exactly when every float32 in it is."""
+    for name, array in arrays.items():
+        if array is not None and len(array) and not math.isfinite(array.sum(dtype=np.float64)):
+            raise ValueError(f"{name} are not all finite (NaN or inf)")
+
+
 def _array_type(dtype: Any) -> Any:
     dt = np.dtype(dtype)
     return Annotated[
@@ -129,4 +151,7 @@ Float32Array = _array_type(np.float32)
 BoolArray = _array_type(np.bool_)
 """A 1-D bool array (loss masks)."""
 
-__all__ = ["BoolArray", "DecodeError", "Float32Array", "Int32Array", "from_wire", "packb", "to_wire", "unpackb"]
+__all__ = [
+    "BoolArray", "DecodeError", "Float32Array", "Int32Array", "check_finite", "check_lengths", "check_token_ids",
+    "from_wire", "packb", "to_wire", "unpackb",
+]

@@ -6,7 +6,6 @@ raw bytes. ``from_fields`` reads only ``kind``, ``v`` and ``data``; the header i
 """
 
 import functools
-import math
 import time
 import typing
 from collections.abc import Mapping
@@ -15,7 +14,17 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
-from bus.arrays import BoolArray, Float32Array, Int32Array, packb, to_wire, unpackb
+from bus.arrays import (
+    BoolArray,
+    Float32Array,
+    Int32Array,
+    check_finite,
+    check_lengths,
+    check_token_ids,
+    packb,
+    to_wire,
+    unpackb,
+)
 from bus.errors import DecodeError
 from bus.resp import as_str
 
@@ -111,27 +120,6 @@ def _header_text(value: Any) -> str:
     if kind is bool:
         return "1" if value else "0"
     return str(value)
-
-
-def _same_length(expected: int, unit: str, **arrays: np.ndarray | None) -> None:
-    """Every array given has ``expected`` entries (None: absent, fine)."""
-    for name, array in arrays.items():
-        if array is not None and len(array) != expected:
-            raise ValueError(f"{name} has {len(array)} entries for {expected} {unit}")
-
-
-def _token_ids(*arrays: np.ndarray) -> None:
-    """No token id is negative (the upper bound, the vocabulary, is the packer's to check)."""
-    for array in arrays:
-        if len(array) and int(array.min()) < 0:
-            raise ValueError(f"negative token id {int(array.min())}")
-
-
-def _finite(**arrays: np.ndarray | None) -> None:
-    """Every value is finite. Hot path: one float64 sum is finite exactly when every float32 in it is."""
-    for name, array in arrays.items():
-        if array is not None and len(array) and not math.isfinite(array.sum(dtype=np.float64)):
-            raise ValueError(f"{name} are not all finite (NaN or inf)")
 
 
 def _holds_arrays_or_models(annotation: Any) -> bool:
@@ -245,9 +233,9 @@ class Sample(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> "Sample":
         n = len(self.completion_ids)
-        _same_length(n, "completion tokens", completion_logprobs=self.completion_logprobs, loss_mask=self.loss_mask,
+        check_lengths(n, "completion tokens", completion_logprobs=self.completion_logprobs, loss_mask=self.loss_mask,
                      teacher_logprobs=self.teacher_logprobs)
-        _finite(completion_logprobs=self.completion_logprobs, teacher_logprobs=self.teacher_logprobs)
+        check_finite(completion_logprobs=self.completion_logprobs, teacher_logprobs=self.teacher_logprobs)
         return self  # token ids against the vocabulary: the packer's check (it knows the vocabulary)
 
     @property
@@ -379,16 +367,16 @@ class MicroBatch(Message):
         if self.index >= self.count:
             raise ValueError(f"index {self.index} is not below count {self.count}")
         n, k = len(self.input_ids), len(self.sample_lengths)
-        _same_length(n, "tokens", position_ids=self.position_ids, loss_mask=self.loss_mask,
+        check_lengths(n, "tokens", position_ids=self.position_ids, loss_mask=self.loss_mask,
                      advantages=self.advantages, inference_logprobs=self.inference_logprobs,
                      teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures)
-        _same_length(k, "samples", policy_versions=self.policy_versions, rewards=self.rewards,
+        check_lengths(k, "samples", policy_versions=self.policy_versions, rewards=self.rewards,
                      task_ids=self.task_ids or None, sample_indices=self.sample_indices if len(self.sample_indices) else None)
         if int(self.sample_lengths.sum(dtype=np.int64)) != n or (k and int(self.sample_lengths.min()) < 1):
             raise ValueError(f"sample_lengths sum to {int(self.sample_lengths.sum(dtype=np.int64))} but the "
                              f"micro-batch has {n} tokens (each sample needs at least one)")
-        _token_ids(self.input_ids)
-        _finite(advantages=self.advantages, inference_logprobs=self.inference_logprobs,
+        check_token_ids(self.input_ids)
+        check_finite(advantages=self.advantages, inference_logprobs=self.inference_logprobs,
                 teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures, rewards=self.rewards)
         return self
 

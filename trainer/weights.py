@@ -7,7 +7,6 @@ Hugging Face does); ``load_weights_into`` re-ties them. On GPU the tensors go de
 through pinned buffers kept between steps (:class:`HostCopy`).
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,13 +20,14 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from bus.messages import WeightFile
+from bus.weight_files import sha256_of, weights_root
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
 def weights_dir(output_dir: Path | str, step: int) -> Path:
     """``output_dir/weights/step_{step}``."""
-    return Path(output_dir) / "weights" / f"step_{step}"
+    return weights_root(output_dir) / f"step_{step}"
 
 
 class HostCopy:
@@ -91,7 +91,7 @@ def write_shards(
         for i, names in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
             save_file({n: tensors[n].contiguous() for n in names}, str(tmp / name), metadata={"format": "pt"})
-            digests.append((name, pool.submit(_sha256, tmp / name)))
+            digests.append((name, pool.submit(sha256_of, tmp / name)))
             weight_map.update(dict.fromkeys(names, name))
         files = [(name, (tmp / name).stat().st_size, d.result()) for name, d in digests]
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -102,11 +102,6 @@ def write_shards(
         shutil.rmtree(dir)
     os.rename(tmp, dir)
     return files
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _plan_shards(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[str]]:
@@ -131,15 +126,6 @@ def read_weights(dir: Path | str, device: torch.device | str = "cpu") -> dict[st
     for name in names:
         tensors.update(load_file(dir / name, device=str(device)))
     return tensors
-
-
-def verify_weights(dir: Path | str, files: list[WeightFile]) -> None:
-    """Raise ValueError when a shard's size or sha256 differs from the weights event."""
-    for f in files:
-        path = Path(dir) / f.name
-        if path.stat().st_size != f.bytes or _sha256(path) != f.sha256:
-            raise ValueError(f"weights file {Path(dir) / f.name} does not match its event (size or sha256); "
-                             "it was modified or partly written")
 
 
 def load_tensors_into(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
@@ -190,5 +176,5 @@ def describe_weights(dir: Path | str) -> list[WeightFile]:
     dir = Path(dir)
     files = []
     for path in sorted(dir.glob("*.safetensors")):
-        files.append(WeightFile(name=path.name, bytes=path.stat().st_size, sha256=_sha256(path)))
+        files.append(WeightFile(name=path.name, bytes=path.stat().st_size, sha256=sha256_of(path)))
     return files

@@ -152,7 +152,8 @@ def test_cuda_train_step_in_bf16_lowers_the_loss_and_reports_mfu(tmp_path):
 
 
 def test_cuda_weights_round_trip_through_pinned_host_buffers(tmp_path):
-    from trainer.weights import HostCopy, load_weights_into, save_weights, unique_tensors, verify_weights
+    from bus.weight_files import verify_weights
+    from trainer.weights import HostCopy, load_weights_into, save_weights, unique_tensors
 
     src = qwen3(seed=1).to(device=CUDA, dtype=torch.bfloat16)
     dst = qwen3(seed=2).to(device=CUDA, dtype=torch.bfloat16)

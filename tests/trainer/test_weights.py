@@ -8,12 +8,12 @@ torch.set_num_threads(1)
 
 
 def test_save_and_load_weights_round_trip(tmp_path):
+    from bus.weight_files import verify_weights
     from trainer.weights import (
         load_weights_into,
         prune_weights,
         read_weights,
         save_weights,
-        verify_weights,
         weights_dir,
     )
 
@@ -38,7 +38,8 @@ def test_save_and_load_weights_round_trip(tmp_path):
 def test_save_weights_shards_and_untied_head(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trainer.weights import load_weights_into, save_weights, verify_weights
+    from bus.weight_files import verify_weights
+    from trainer.weights import load_weights_into, save_weights
 
     src = tiny_lm(seed=1, tie=False)
     state = src.state_dict()

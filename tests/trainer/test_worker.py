@@ -5,8 +5,9 @@ import asyncio
 import torch
 
 from bus.messages import Metric, PolicyVersion, WeightUpdate
+from bus.weight_files import verify_weights
 from tests.trainer.helpers import save_tiny_model, step_batches
-from trainer.weights import read_weights, verify_weights
+from trainer.weights import read_weights
 from trainer.worker import TrainerWorker, main
 from workers.config import RlbusConfig
 from workers.lifecycle import run_worker

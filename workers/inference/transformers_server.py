@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from bus.log import get_logger
+from bus.weight_files import weights_root
 from trainer.broadcast import receive_weights
 from trainer.model import resolve_dtype
 from trainer.weights import load_tensors_into, read_weights
@@ -85,6 +86,7 @@ class InferenceServer:
     async def _setup_follower(self) -> None:
         self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
         self.follower = WeightsFollower(self.bus, self.server_id, self._apply_weights,
+                                        weights_root(self.config.run.output_dir),
                                         block_ms=self.config.redis.block_ms)
         await self.follower.start()
 

@@ -25,6 +25,7 @@ import aiohttp
 from bus.errors import ConfigError
 from bus.log import get_logger
 from bus.messages import WeightUpdate
+from bus.weight_files import weights_root
 from workers.config import RlbusConfig
 from workers.inference.weights_follower import WeightsFollower
 from workers.lifecycle import connect_bus, run_until_first, run_worker
@@ -152,7 +153,8 @@ class VllmServer:
 
     async def _follow(self) -> None:
         self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
-        follower = WeightsFollower(self.bus, self.server_id, self.reload, block_ms=self.config.redis.block_ms)
+        follower = WeightsFollower(self.bus, self.server_id, self.reload, weights_root(self.config.run.output_dir),
+                                   block_ms=self.config.redis.block_ms)
         await follower.start()
         await follower.run()
 

@@ -23,6 +23,7 @@ from bus.policy import publish_served
 from bus.resp import as_str
 from bus.state import EVAL_HOLD_FIELD
 from bus.streams import Bus
+from bus.weight_files import check_update
 
 Apply = Callable[[WeightUpdate], Awaitable[None]]
 """Loads one update into the served model (returns once requests see the new weights)."""
@@ -31,13 +32,16 @@ Apply = Callable[[WeightUpdate], Awaitable[None]]
 class WeightsFollower:
     """Reads ``weights`` (fan-out, no group) and keeps ``served`` on ``policy`` up to date."""
 
-    def __init__(self, bus: Bus, server_id: str, apply: Apply, step: int = 0, block_ms: int = 1000):
+    def __init__(self, bus: Bus, server_id: str, apply: Apply, weights_root: Path | str, step: int = 0,
+                 block_ms: int = 1000):
         self.bus = bus
         self.server_id = server_id
         self.apply = apply
         self.step = step
         """Step of the weights being served."""
         self.block_ms = block_ms
+        self.weights_root = Path(weights_root)
+        """Only safetensors directories under this root whose files match their event are loaded."""
         self.last_id = "0"
         self.log = get_logger(worker="inference", server=server_id, run=bus.keys.run)
 
@@ -104,6 +108,8 @@ class WeightsFollower:
         loop = asyncio.get_running_loop()
         start = loop.time()
         try:
+            if event.format == "safetensors":
+                await asyncio.to_thread(check_update, event, self.weights_root)
             await self.apply(event)
         except (FileNotFoundError, ValueError) as e:
             # A pruned or mismatched directory: the next update replaces it.

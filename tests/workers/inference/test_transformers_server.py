@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -10,6 +11,7 @@ import torch
 from bus.local_redis import free_port
 from bus.messages import WeightUpdate
 from bus.policy import PolicyTracker
+from trainer.weights import describe_weights, weights_dir
 from workers.inference.client import InferenceClient
 from workers.inference.process import InferenceProcess
 from workers.tools.init_model import build_model
@@ -23,11 +25,17 @@ def run(redis_server):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, redis_server, run, tmp_path_factory):
+def output_dir(tmp_path_factory) -> Path:
+    """The server's run.output_dir: it loads weights only from under output_dir/weights."""
+    return tmp_path_factory.mktemp("inference-run")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, redis_server, run, tmp_path_factory, output_dir):
     tmp = tmp_path_factory.mktemp("inference")
     config = tmp / "cfg.toml"
     config.write_text(
-        f'[run]\nname = "{run}"\n[redis]\nurl = "{redis_server}"\nblock_ms = 200\n'
+        f'[run]\nname = "{run}"\noutput_dir = "{output_dir}"\n[redis]\nurl = "{redis_server}"\nblock_ms = 200\n'
         f'[model]\npath = "{tiny_model_dir}"\n[inference]\nnum_threads = 1\nmax_model_len = 512\n'
     )
     with InferenceProcess(config, free_port(), SERVER_ID, log_path=tmp / "server.log") as proc:
@@ -155,12 +163,12 @@ def test_concurrent_requests_are_batched(server):
     assert sequential / concurrent >= 3, f"sequential {sequential:.2f}s vs concurrent {concurrent:.2f}s"
 
 
-def test_weight_update_changes_greedy_output_and_served_follows(server, bus, run, tmp_path, model_and_tokenizer):
+def test_weight_update_changes_greedy_output_and_served_follows(server, bus, run, output_dir, model_and_tokenizer):
     """Runs last in this module: it moves the shared server to version 1."""
     from transformers import AutoModelForCausalLM
 
     _, tok = model_and_tokenizer
-    new_dir = build_model(tmp_path / "step_1", preset="tiny", seed=1)
+    new_dir = build_model(weights_dir(output_dir, 1), preset="tiny", seed=1)
     new_model = AutoModelForCausalLM.from_pretrained(new_dir).eval()
     prompt = tok.encode("reverse me", add_special_tokens=False)
     expected = list(prompt)
@@ -176,7 +184,8 @@ def test_weight_update_changes_greedy_output_and_served_follows(server, bus, run
         async with bus("trainer", run=run) as b:
             tracker = PolicyTracker(b)
             await tracker.wait(lambda t: t.served_by.get(SERVER_ID) == 0, timeout_s=10)
-            await b.publish(b.keys.weights(), WeightUpdate(step=1, format="safetensors", dir=str(new_dir)))
+            event = WeightUpdate(step=1, format="safetensors", dir=str(new_dir), files=describe_weights(new_dir))
+            await b.publish(b.keys.weights(), event)
             await tracker.wait(lambda t: t.served_by.get(SERVER_ID) == 1, timeout_s=30)
 
     asyncio.run(update())

@@ -1,37 +1,44 @@
 """The weights follower: collapsing events, the eval hold."""
 
 import asyncio
+from pathlib import Path
 
-from workers.inference.weights_follower import _collapse
+from bus.messages import WeightFile, WeightUpdate
+from bus.weight_files import sha256_of
+from workers.inference.weights_follower import WeightsFollower, _collapse
+
+
+def written(root: Path, step: int, content: bytes = b"weights") -> WeightUpdate:
+    """A safetensors event of ``step`` whose one file lies under ``root`` (the follower checks both)."""
+    path = root / f"step_{step}" / "model.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content + bytes([step]))
+    files = [WeightFile(name=path.name, bytes=path.stat().st_size, sha256=sha256_of(path))]
+    return WeightUpdate(step=step, format="safetensors", dir=str(path.parent), files=files)
 
 
 def test_weight_events_collapse_but_broadcasts_are_all_joined():
-    from bus.messages import WeightUpdate
-
     s = [WeightUpdate(step=i, format="safetensors", dir=f"/w/{i}") for i in range(1, 4)]
     n = WeightUpdate(step=4, format="nccl", host="h", port=1, world_size=2)
     assert [e.step for e in _collapse([s[0], s[1], n, s[2]])] == [2, 4, 3]
 
 
-def test_eval_hold_keeps_newer_safetensors_updates_back(bus, run_name):
+def test_eval_hold_keeps_newer_safetensors_updates_back(bus, run_name, tmp_path):
     """eval:hold=1: step 1 is served, step 2 waits (also for a follower started later) until the hold moves to 2;
     nccl broadcasts are never held."""
-    from bus.messages import WeightUpdate
     from bus.state import EVAL_HOLD_FIELD
-    from workers.inference.weights_follower import WeightsFollower
 
     async def main():
         async with bus("trainer") as b:
             await b.state_set(**{EVAL_HOLD_FIELD: 1})
-            ids = [await b.publish(b.keys.weights(), WeightUpdate(step=s, format="safetensors", dir=f"/w/{s}"))
-                   for s in (1, 2)]
+            ids = [await b.publish(b.keys.weights(), written(tmp_path, s)) for s in (1, 2)]
             applied: dict[str, list[int]] = {"early": [], "late": []}
 
             def follower(name: str) -> WeightsFollower:
                 async def apply(event: WeightUpdate) -> None:
                     applied[name].append(event.step)
 
-                return WeightsFollower(b, name, apply, block_ms=100)
+                return WeightsFollower(b, name, apply, tmp_path, block_ms=100)
 
             async def until(expected: dict) -> None:
                 for _ in range(50):
@@ -57,21 +64,39 @@ def test_eval_hold_keeps_newer_safetensors_updates_back(bus, run_name):
     asyncio.run(main())
 
 
-def test_garbage_as_the_newest_weights_entry_does_not_stop_a_server_from_starting(bus):
-    from bus.messages import WeightUpdate
-    from workers.inference.weights_follower import WeightsFollower
-
+def test_garbage_as_the_newest_weights_entry_does_not_stop_a_server_from_starting(bus, tmp_path):
     async def main():
         async with bus("trainer") as b:
-            await b.publish(b.keys.weights(), WeightUpdate(step=1, format="safetensors", dir="/w/1"))
+            await b.publish(b.keys.weights(), written(tmp_path, 1))
             await b.redis.xadd(b.keys.weights(), {b"kind": b"weight_update", b"v": b"1", b"data": b"\xc1"})
             applied = []
 
             async def apply(event: WeightUpdate) -> None:
                 applied.append(event.step)
 
-            follower = WeightsFollower(b, "s1", apply, block_ms=100)
+            follower = WeightsFollower(b, "s1", apply, tmp_path, block_ms=100)
             await follower.start()
             assert applied == [1] and follower.step == 1
+
+    asyncio.run(main())
+
+
+def test_only_weights_under_the_root_that_match_their_event_are_loaded(bus, tmp_path):
+    async def main():
+        async with bus("trainer") as b:
+            root, elsewhere = tmp_path / "run" / "weights", tmp_path / "elsewhere"
+            outside = written(elsewhere, 1)
+            changed = written(root, 2)
+            Path(changed.dir, "model.safetensors").write_bytes(b"tampered")
+            good = written(root, 3)
+            applied = []
+
+            async def apply(event: WeightUpdate) -> None:
+                applied.append(event.step)
+
+            follower = WeightsFollower(b, "s1", apply, root, block_ms=100)
+            assert not await follower._load(outside) and not await follower._load(changed)
+            assert await follower._load(good)
+            assert applied == [3] and follower.step == 3
 
     asyncio.run(main())
