@@ -48,6 +48,10 @@ class Keys:
         """Stream of policy versions: ``trained`` by the trainer, ``served`` by inference servers."""
         return f"{self.prefix}policy"
 
+    def servers(self) -> str:
+        """Sorted set of live inference servers: member = server id, score = its last heartbeat (Redis time, ms)."""
+        return f"{self.prefix}servers"
+
     def metrics(self) -> str:
         """Stream every worker → status display and metrics writers."""
         return f"{self.prefix}metrics"

@@ -1,15 +1,39 @@
 """Policy versions: ``trained`` (trainer) and ``served`` (each inference server) on the ``policy`` stream.
 
+Only live servers count toward ``served``: each running server renews its heartbeat in the ``servers``
+sorted set every :data:`HEARTBEAT_S` (scored with Redis's own clock, so hosts need not agree on time);
+one silent for :data:`SERVER_TTL_S` — scaled down, killed, partitioned — no longer pins ``served``.
+
     tracker = PolicyTracker(bus)
     await tracker.refresh()
     await tracker.wait(lambda t: t.served >= next_step - max_off_policy_steps, timeout_s=30)
 """
 
+import contextlib
 import time
 from collections.abc import Callable
 
+from redis.exceptions import RedisError
+
 from bus.messages import PolicyVersion
+from bus.resp import as_str
 from bus.streams import Bus
+
+SERVER_TTL_S = 15.0
+"""A server whose last heartbeat is older than this no longer counts toward ``served``."""
+
+HEARTBEAT_S = 3.0
+"""How often a running inference server renews its heartbeat (well inside :data:`SERVER_TTL_S`)."""
+
+_HEARTBEAT_LUA = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000), ARGV[1])
+"""
+
+_LIVE_LUA = """
+local t = redis.call('TIME')
+return redis.call('ZRANGEBYSCORE', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000) - tonumber(ARGV[1]), '+inf')
+"""
 
 _PAGE = 1000
 """Policy events read per XREAD; a full page means more may be waiting."""
@@ -21,25 +45,40 @@ async def publish_trained(bus: Bus, step: int) -> str:
 
 
 async def publish_served(bus: Bus, server: str, step: int) -> str:
-    """Announce that inference server ``server`` now serves the weights of step ``step``."""
+    """Announce that inference server ``server`` now serves the weights of step ``step`` (a heartbeat too)."""
+    await heartbeat(bus, server)
     return await bus.publish(bus.keys.policy(), PolicyVersion(role="served", step=step, server=server))
+
+
+async def heartbeat(bus: Bus, server: str) -> None:
+    """Mark ``server`` alive now."""
+    await bus.redis.eval(_HEARTBEAT_LUA, 1, bus.keys.servers(), server)
+
+
+async def server_stopped(bus: Bus, server: str) -> None:
+    """A server that stops cleanly leaves at once instead of after its TTL (best effort: else the TTL does it)."""
+    with contextlib.suppress(RedisError, OSError):
+        await bus.redis.zrem(bus.keys.servers(), server)
 
 
 class PolicyTracker:
     """Follows the ``policy`` stream from its start: newest trained step, each server's served step."""
 
-    def __init__(self, bus: Bus):
+    def __init__(self, bus: Bus, server_ttl_s: float = SERVER_TTL_S):
         self.bus = bus
+        self.server_ttl_s = server_ttl_s
         self.trained = 0
         """Highest step the trainer has published (0 before any)."""
         self.served_by: dict[str, int] = {}
-        """Each inference server's latest served step."""
+        """Each inference server's latest served step (live or not)."""
+        self.live: set[str] = set()
+        """Servers whose heartbeat is younger than ``server_ttl_s`` at the last refresh."""
         self._last_id = "0"
 
     @property
     def served(self) -> int:
-        """The step every server serves at least (MIN over servers); 0 before any server reported."""
-        return min(self.served_by.values(), default=0)
+        """The step every live server serves at least (MIN over live servers); 0 while none is live."""
+        return min((step for server, step in self.served_by.items() if server in self.live), default=0)
 
     async def refresh(self, block_ms: int | None = None) -> bool:
         """Read the policy events published since the last refresh; True when there were any.
@@ -59,6 +98,8 @@ class PolicyTracker:
                     self.served_by[event.server] = event.step
             seen = seen or bool(events)
             if len(events) < _PAGE:
+                live = await self.bus.redis.eval(_LIVE_LUA, 1, self.bus.keys.servers(), int(self.server_ttl_s * 1000))
+                self.live = {as_str(server) for server in live}
                 return seen
             block_ms = None
 

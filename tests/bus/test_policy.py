@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from bus.policy import PolicyTracker, publish_served, publish_trained
+from bus.policy import PolicyTracker, heartbeat, publish_served, publish_trained, server_stopped
 
 
 def test_policy_tracker(bus):
@@ -29,5 +29,28 @@ def test_policy_tracker(bus):
             started = time.monotonic()
             await asyncio.gather(tracker.wait(lambda t: t.served >= 1, timeout_s=5), later())
             assert tracker.served == 1 and time.monotonic() - started < 3
+
+    asyncio.run(main())
+
+
+def test_only_live_servers_count_toward_served(bus):
+    """A server scaled down stops its heartbeat; once its TTL passes it no longer pins ``served``."""
+
+    async def main():
+        async with bus("trainer") as b, bus("rollout") as r:
+            await publish_served(b, "gone", 1)
+            await publish_served(b, "stays", 4)
+            tracker = PolicyTracker(r, server_ttl_s=0.5)
+            await tracker.refresh()
+            assert tracker.served == 1 and tracker.live == {"gone", "stays"}
+            for _ in range(4):
+                await asyncio.sleep(0.2)
+                await heartbeat(b, "stays")
+            await tracker.refresh()
+            assert tracker.served == 4 and tracker.live == {"stays"}
+            assert tracker.served_by == {"gone": 1, "stays": 4}  # still reported, not counted
+            await server_stopped(b, "stays")
+            await tracker.refresh()
+            assert tracker.live == set() and tracker.served == 0
 
     asyncio.run(main())

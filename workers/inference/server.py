@@ -6,6 +6,7 @@ stays free of torch so ``rlbus inference --help`` is instant.
 """
 
 import argparse
+import socket
 
 from workers.config import RlbusConfig
 from workers.inference import vllm_launcher
@@ -15,9 +16,9 @@ def parse_args(config: RlbusConfig, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rlbus inference", description="OpenAI-compatible inference server")
     parser.add_argument("--port", type=int, default=config.inference.port, help="port (default inference.port)")
     parser.add_argument("--host", default=config.inference.host, help="bind address (default inference.host)")
-    parser.add_argument("--server-id", default=None, help="id in `served` events (default host:port)")
+    parser.add_argument("--server-id", default=None, help="id in `served` events (default HOSTNAME:port, unique per host)")
     args = parser.parse_args(argv)
-    args.server_id = args.server_id or f"{args.host}:{args.port}"
+    args.server_id = args.server_id or f"{socket.gethostname()}:{args.port}"
     return args
 
 

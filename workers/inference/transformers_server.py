@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from bus.log import get_logger
+from bus.policy import server_stopped
 from bus.weight_files import weights_root
 from trainer.broadcast import receive_weights
 from trainer.model import resolve_dtype
@@ -118,6 +119,7 @@ class InferenceServer:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self.bus is not None:
+            await server_stopped(self.bus, self.server_id)
             await self.bus.close()
         self.log.info("server_stopped")
 

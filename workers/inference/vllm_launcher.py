@@ -25,6 +25,7 @@ import aiohttp
 from bus.errors import ConfigError
 from bus.log import get_logger
 from bus.messages import WeightUpdate
+from bus.policy import server_stopped
 from bus.weight_files import weights_root
 from workers.config import RlbusConfig
 from workers.inference.weights_follower import WeightsFollower
@@ -173,6 +174,7 @@ class VllmServer:
         if self.session is not None:
             await self.session.close()
         if self.bus is not None:
+            await server_stopped(self.bus, self.server_id)
             await self.bus.close()
 
 

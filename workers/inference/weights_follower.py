@@ -19,7 +19,7 @@ from pathlib import Path
 from bus.errors import DecodeError
 from bus.log import get_logger
 from bus.messages import WeightUpdate, decode
-from bus.policy import publish_served
+from bus.policy import HEARTBEAT_S, heartbeat, publish_served
 from bus.resp import as_str
 from bus.state import EVAL_HOLD_FIELD
 from bus.streams import Bus
@@ -60,8 +60,13 @@ class WeightsFollower:
         self.log.info("served_published", step=self.step)
 
     async def run(self) -> None:
-        """Follow the stream until cancelled."""
+        """Follow the stream until cancelled, renewing this server's heartbeat every ``HEARTBEAT_S``."""
+        loop = asyncio.get_running_loop()
+        beat = loop.time()
         while True:
+            if loop.time() - beat >= HEARTBEAT_S:
+                await heartbeat(self.bus, self.server_id)
+                beat = loop.time()
             entries = await self.bus.read_fanout(self.bus.keys.weights(), self.last_id, block_ms=self.block_ms)
             if not entries:
                 continue
