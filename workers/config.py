@@ -160,6 +160,11 @@ class EvalConfig(Section):
     skip_first_step: bool = False
     """Skip the eval of the initial policy (step 0)."""
 
+    timeout_s: float | None = Field(600.0, gt=0)
+    """An eval not complete this many seconds after it was issued finishes with the groups it has
+    (``eval/{env}/groups_missing`` counts the rest, ``eval/{env}/timed_out`` = 1), so a lost eval task never pins
+    ``eval:hold`` and the run; None = wait forever. Dead-lettered eval tasks count as done (missing) at once."""
+
 
 class FeederConfig(Section):
     max_inflight_rollouts: int | None = Field(None, ge=1)

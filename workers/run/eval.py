@@ -21,9 +21,10 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from bus.errors import DecodeError
 from bus.keys import GROUP_EVAL
 from bus.log import get_logger
-from bus.messages import Metric, RolloutGroup, Task
+from bus.messages import DeadLetter, Metric, RolloutGroup, Task, decode
 from bus.policy import PolicyTracker
 from bus.resp import as_str
 from bus.state import EVAL_HOLD_FIELD, eval_done_field, eval_issued_field
@@ -92,7 +93,13 @@ class _Pending:
     expected: int
     groups: dict[str, RolloutGroup] = field(default_factory=dict)
     entries: list[tuple[str, str]] = field(default_factory=list)
+    dead: set[str] = field(default_factory=set)
+    """Task ids of this eval that went to ``dead``: done, with no group."""
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def answered(self) -> int:
+        return len(self.groups) + len(self.dead - set(self.groups))
 
 
 class EvalCoordinator:
@@ -109,6 +116,8 @@ class EvalCoordinator:
         self.consumer = bus.worker
         """Consumer name in group ``eval``: the bus's own, so its commits may ack what it read."""
         self.log = get_logger(worker="eval", run=config.run.name)
+        self.dead_last_id = "0"
+        """Where the coordinator reads ``dead`` from: set at setup to its end (older evals are done or time out)."""
 
     def _indices(self, env: EvalEnvConfig, size: int) -> list[int]:
         if env.num_examples < 0 or env.num_examples >= size:
@@ -122,6 +131,8 @@ class EvalCoordinator:
     async def setup(self) -> None:
         """Groups, the hold for the first eval (before any server loads newer weights), pending groups."""
         await self.update_hold()
+        last_dead = await self.bus.redis.xrevrange(self.bus.keys.dead(), count=1)
+        self.dead_last_id = as_str(last_dead[0][0]) if last_dead else "0"
         for stream in self.streams:
             await self.bus.ensure_group(stream, GROUP_EVAL)
         # Groups read before a restart and not yet aggregated are pending for this consumer: read them first.
@@ -173,8 +184,30 @@ class EvalCoordinator:
         )
         for stream, items in reply or []:
             await self._take(as_str(stream), items)
-        for key in [k for k, p in self.pending.items() if len(p.groups) >= p.expected]:
-            await self._finish(*key)
+        await self._take_dead()
+        timeout_s = self.config.eval.timeout_s
+        for key, pending in list(self.pending.items()):
+            if pending.answered >= pending.expected:
+                await self._finish(*key)
+            elif timeout_s is not None and time.monotonic() - pending.started > timeout_s:
+                self.log.warning("eval_timed_out", env=key[0], step=key[1], groups=len(pending.groups),
+                                 expected=pending.expected, timeout_s=timeout_s)
+                await self._finish(*key, timed_out=True)
+
+    async def _take_dead(self) -> None:
+        """Eval tasks that went to ``dead`` (an env that broke, a worker that gave up): done, without a group."""
+        for entry_id, letter in await self.bus.read_fanout(self.bus.keys.dead(), self.dead_last_id, count=1000):
+            self.dead_last_id = entry_id
+            if not isinstance(letter, DeadLetter):
+                continue
+            try:
+                task = decode(letter.fields)
+            except DecodeError:
+                continue
+            if isinstance(task, Task) and task.eval_step is not None:
+                pending = self.pending.get((task.env, task.eval_step))
+                if pending is not None:
+                    pending.dead.add(task.task_id)
 
     async def _take(self, stream: str, items: list) -> None:
         skip = []
@@ -183,7 +216,11 @@ class EvalCoordinator:
             if not fields or b"eval_step" not in fields:
                 skip.append(entry_id)
                 continue
-            group = RolloutGroup.from_fields(fields)
+            try:
+                group = RolloutGroup.from_fields(fields)
+            except DecodeError as e:
+                await self.bus.dead_letter(stream, entry_id, fields, reason=f"decode: {e}", group=GROUP_EVAL)
+                continue
             pending = self.pending.setdefault(
                 (group.env, group.eval_step), _Pending(expected=len(self.indices.get(group.env, [])))
             )
@@ -191,21 +228,25 @@ class EvalCoordinator:
             pending.entries.append((stream, entry_id))
         await self.bus.ack(stream, GROUP_EVAL, skip)
 
-    async def _finish(self, env: str, step: int) -> None:
+    async def _finish(self, env: str, step: int, timed_out: bool = False) -> None:
         pending = self.pending.pop((env, step))
         groups = sorted(pending.groups.values(), key=lambda g: g.example_index)
-        values = eval_values(env, [[s.reward for s in g.samples] for g in groups])
+        values = eval_values(env, [[s.reward for s in g.samples] for g in groups]) if groups else {}
         versions = [v for g in groups for s in g.samples for v in (s.policy_version_start, s.policy_version_end)]
-        values[f"eval/{env}/policy_version_min"] = float(min(versions))
-        values[f"eval/{env}/policy_version_max"] = float(max(versions))
+        if versions:
+            values[f"eval/{env}/policy_version_min"] = float(min(versions))
+            values[f"eval/{env}/policy_version_max"] = float(max(versions))
         values[f"eval/{env}/seconds"] = time.monotonic() - pending.started
+        values[f"eval/{env}/groups_missing"] = float(pending.expected - len(groups))
+        values[f"eval/{env}/timed_out"] = float(timed_out)
         acks = [(stream, GROUP_EVAL, entry_id) for stream, entry_id in pending.entries]
         done = eval_done_field(env)
         await self.bus.commit(acks, [(self.bus.keys.metrics(), Metric(source="eval", step=step, values=values))],
                               extra=lambda pipe: pipe.hset(self.bus.keys.state(), done, step))
         self.finished.add((env, step))
         await self.update_hold()
-        self.log.info("eval_finished", env=env, step=step, reward=round(values[f"eval/{env}/reward"], 4))
+        self.log.info("eval_finished", env=env, step=step, reward=values.get(f"eval/{env}/reward"),
+                      groups=len(groups), missing=pending.expected - len(groups))
 
     def complete(self, step: int) -> bool:
         """True once every eval env has finished its eval of ``step``."""

@@ -1,8 +1,14 @@
-"""Eval math: pass@k, eval values, which steps are due."""
+"""Eval math (pass@k, eval values, which steps are due) and the coordinator: dead tasks, timeouts."""
+
+import asyncio
 
 import pytest
 
-from workers.run.eval import eval_steps_due, eval_values, k_values, next_eval_step, pass_at_k
+from bus.messages import RolloutGroup, Sample, Task
+from bus.policy import publish_trained
+from bus.state import EVAL_HOLD_FIELD
+from workers.config import RlbusConfig
+from workers.run.eval import EvalCoordinator, eval_steps_due, eval_values, k_values, next_eval_step, pass_at_k
 
 
 def test_pass_at_k_hand_computed():
@@ -39,3 +45,51 @@ def test_eval_steps_due():
     assert next_eval_step(20, 10, 25, skip_first=False) == 25
     assert next_eval_step(25, 10, 25, skip_first=False) is None
     assert next_eval_step(3, 10, None, skip_first=False) == 10
+
+
+def eval_config(redis_url: str, run_name: str, timeout_s: float | None) -> RlbusConfig:
+    return RlbusConfig.model_validate({
+        "run": {"name": run_name, "max_steps": 10},
+        "redis": {"url": redis_url, "block_ms": 50},
+        "eval": {"interval": 5, "timeout_s": timeout_s, "env": [{"id": "reverse_text", "name": "rev_eval", "num_examples": 3,
+                                                   "group_size": 1}]},
+    })
+
+
+def eval_group(task: Task, reward: float) -> RolloutGroup:
+    sample = Sample(prompt_ids=[1], completion_ids=[2], completion_logprobs=[-1.0], loss_mask=[True], reward=reward)
+    return RolloutGroup(task_id=task.task_id, env=task.env, example_id=task.example_id, example_index=task.example_index,
+                        eval_step=task.eval_step, samples=[sample])
+
+
+def test_a_dead_lettered_eval_task_counts_as_done_and_a_stuck_eval_times_out(bus, redis_url, run_name):
+    async def main():
+        async with bus("run") as b:
+            coordinator = EvalCoordinator(eval_config(redis_url, run_name, timeout_s=0.5), b, {"rev_eval": 50})
+            await coordinator.setup()
+            assert await b.state_get(EVAL_HOLD_FIELD) == "0"
+            await coordinator.issue_due()  # step 0: three tasks
+            tasks = [e.message for e in await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)]
+            assert len(tasks) == 3
+            await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[0], 1.0))
+            await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[1], 0.0))
+            entry = (await b.redis.xrange(b.keys.tasks("rev_eval")))[2]
+            await b.dead_letter(b.keys.tasks("rev_eval"), entry[0].decode(), entry[1], reason="env broke")
+            await coordinator.collect(block_ms=100)
+            assert coordinator.complete(0)
+            (_, metric), = [m for m in await b.read_fanout(b.keys.metrics()) if m[1].source == "eval"]
+            assert metric.values["eval/rev_eval/reward"] == 0.5 and metric.values["eval/rev_eval/groups_missing"] == 1
+            assert await b.state_get(EVAL_HOLD_FIELD) == "5"  # the next eval step: interval 5
+
+            await publish_trained(b, 5)
+            await coordinator.issue_due()  # step 5: no rollout worker answers
+            await coordinator.collect(block_ms=100)
+            assert not coordinator.complete(5)
+            await asyncio.sleep(0.6)
+            await coordinator.collect(block_ms=100)
+            assert coordinator.complete(5)
+            metrics = [m.values for _, m in await b.read_fanout(b.keys.metrics()) if m.source == "eval" and m.step == 5]
+            assert metrics[-1]["eval/rev_eval/groups_missing"] == 3 and metrics[-1]["eval/rev_eval/timed_out"] == 1
+            assert await b.state_get(EVAL_HOLD_FIELD) == "10"
+
+    asyncio.run(main())
