@@ -1,0 +1,28 @@
+"""The config rlbus run hands its children: resolved, written as TOML, read back; thread shares."""
+
+import pytest
+
+from tests.paths import CONFIGS, REPO
+from workers.config_loader import load_config
+from workers.run.resolved import dump_toml, resolve, torch_threads
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_resolved_config_round_trips(path, tmp_path):
+    config = load_config([path])
+    data = resolve(config, redis_url="redis://127.0.0.1:1/0", base_urls=["http://127.0.0.1:9/v1"], threads=1)
+    out = tmp_path / "resolved.toml"
+    out.write_text(dump_toml(data))
+    back = load_config([out])
+    assert back.redis.url == "redis://127.0.0.1:1/0"
+    assert back.inference.base_urls == ["http://127.0.0.1:9/v1"]
+    assert back.trainer.num_threads == 1 and back.ckpt.resume_step == -1
+    expected = config.model_dump(exclude={"redis", "inference", "trainer", "ckpt"})
+    assert back.model_dump(exclude={"redis", "inference", "trainer", "ckpt"}) == expected
+
+
+def test_torch_threads_share_the_cores():
+    config = load_config([REPO / "configs" / "default.toml"])
+    assert torch_threads(config, cores=2) == 1  # trainer + one inference server on 2 cores
+    assert torch_threads(config, cores=16) == 8
+    assert torch_threads(config, cores=1) == 1
