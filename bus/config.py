@@ -4,9 +4,46 @@ The bus owns these (as arq keeps ``RedisSettings`` beside ``create_pool``), so `
 nothing above it; ``workers.config.RlbusConfig`` composes them with every other section.
 """
 
+import os
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_serializer
+
+from bus.errors import ConfigError
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """``url`` without its password, and the password (None when it has none)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}@{host}" if user else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc)), parts.password
+
+
+def redis_password(cfg: "RedisConfig") -> str | None:
+    """The password of ``cfg.password_var`` (None without one: the URL's own, if any, applies)."""
+    if cfg.password_var is None:
+        return None
+    value = os.environ.get(cfg.password_var)
+    if value is None:
+        raise ConfigError(f"redis.password_var={cfg.password_var!r} is not set in the environment; export it")
+    return value
+
+
+def redact(url: str | None) -> str | None:
+    """``url`` with its password (if any) shown as ``***``: what may be printed, logged or saved."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
 
 
 class Section(BaseModel):
@@ -31,10 +68,18 @@ class RedisConfig(Section):
     max_deliveries: int = Field(5, ge=1)
     """An entry delivered this many times without an ack goes to ``dead``."""
 
+    password_var: str | None = None
+    """Environment variable holding the Redis password (AUTH), so it stays out of URLs, files and logs;
+    None = the URL's password, if any. Printed and saved configs show a URL password as ``***``."""
+
     reconnect_timeout_s: float = Field(60.0, ge=0)
     """How long a Redis call keeps retrying while the server is unreachable (a restart, a blip, a failover),
     reconnecting with exponential backoff from 0.1 s up to 5 s between tries; past it the call fails and the
     worker exits for its supervisor to restart. 0: fail at once."""
+
+    @field_serializer("url")
+    def _redacted(self, url: str | None) -> str | None:
+        return redact(url)
 
 
 class LogConfig(Section):

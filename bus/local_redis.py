@@ -18,12 +18,13 @@ from bus.errors import RedisNotInstalledError, RlbusError
 INSTALL_HINT = "apt-get install -y redis-server (macOS: brew install redis)"
 
 
-def redis_server_argv(binary: str, port: int, dir: Path, aof: bool = True) -> list[str]:
-    """The redis-server command line of every private server: loopback only, data in ``dir``, no RDB snapshots."""
+def redis_server_argv(binary: str, port: int, dir: Path, aof: bool = True, password: str | None = None) -> list[str]:
+    """The redis-server command line of every private server: loopback only, data in ``dir``, no RDB snapshots,
+    AUTH with ``password`` when given."""
     return [
         binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(dir),
         "--appendonly", "yes" if aof else "no", "--save", "", "--protected-mode", "no",
-        "--daemonize", "no", "--loglevel", "warning",
+        "--daemonize", "no", "--loglevel", "warning", *(["--requirepass", password] if password else []),
     ]
 
 
@@ -35,10 +36,10 @@ def redis_binary() -> str:
     return binary
 
 
-def redis_answers(url: str) -> bool:
+def redis_answers(url: str, password: str | None = None) -> bool:
     """Whether the Redis at ``url`` answers PING right now."""
     try:
-        with redis.Redis.from_url(url, socket_connect_timeout=0.5) as client:
+        with redis.Redis.from_url(url, socket_connect_timeout=0.5, password=password) as client:
             return bool(client.ping())
     except redis.RedisError:
         return False
@@ -54,10 +55,12 @@ def free_port() -> int:
 class LocalRedis:
     """One redis-server process bound to 127.0.0.1, data (AOF) in ``dir`` (a temp dir when None)."""
 
-    def __init__(self, port: int | None = None, dir: Path | None = None, aof: bool = True):
+    def __init__(self, port: int | None = None, dir: Path | None = None, aof: bool = True, password: str | None = None):
         self.port = port
         self.dir = Path(dir) if dir is not None else None
         self.aof = aof
+        self.password = password
+        """AUTH password (``--requirepass``); None: none. ``url`` never contains it."""
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._proc: subprocess.Popen | None = None
 
@@ -76,14 +79,15 @@ class LocalRedis:
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
             self.port = free_port()
-        args = [*redis_server_argv(binary, self.port, self.dir, self.aof), "--logfile", str(self.dir / "redis.log")]
+        args = [*redis_server_argv(binary, self.port, self.dir, self.aof, self.password),
+                "--logfile", str(self.dir / "redis.log")]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready(timeout_s)
         return self.url
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while not redis_answers(self.url):
+        while not redis_answers(self.url, self.password):
             if self._proc.poll() is not None:
                 log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
                 raise RlbusError(

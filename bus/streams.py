@@ -23,7 +23,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bus.commit import COMMIT_LUA, RENEW_LUA, CommandRecorder, CommitConflict, NotOwned, commit_args
-from bus.config import RedisConfig
+from bus.config import RedisConfig, redact, redis_password
 from bus.errors import DecodeError, RlbusError
 from bus.keys import Keys
 from bus.log import get_logger
@@ -69,10 +69,11 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, run: str, cfg: RedisConfig, worker: str) -> "Bus":
-        """Connect to ``url`` (checked with PING) as consumer ``worker`` of run ``run``."""
+        """Connect to ``url`` (checked with PING) as consumer ``worker`` of run ``run``; the password comes from
+        ``cfg.password_var`` when set (else from the URL)."""
         retry = Retry(ExponentialBackoff(cap=RECONNECT_MAX_S, base=RECONNECT_BASE_S),
                       retries=reconnect_tries(cfg.reconnect_timeout_s))
-        client = aioredis.Redis.from_url(url, decode_responses=False, retry=retry,
+        client = aioredis.Redis.from_url(url, decode_responses=False, retry=retry, password=redis_password(cfg),
                                          retry_on_error=[RedisConnectionError, RedisTimeoutError])
         pool = client.connection_pool
         pool.connection_class = fast_packing(pool.connection_class)
@@ -80,7 +81,8 @@ class Bus:
             await client.ping()
         except Exception as e:
             await client.aclose()
-            raise RlbusError(f"cannot reach Redis at {url}: {e}; start one with `rlbus redis` or fix redis.url") from e
+            raise RlbusError(f"cannot reach Redis at {redact(url)}: {e}; start one with `rlbus redis` or fix "
+                             "redis.url (and redis.password_var)") from e
         return cls(client, run, cfg, worker)
 
     async def close(self) -> None:

@@ -400,3 +400,26 @@ def test_a_redis_restart_is_ridden_out(tmp_path):
             restarted.stop()
 
     asyncio.run(main())
+
+
+def test_a_password_from_the_environment_and_never_in_what_is_printed(tmp_path, monkeypatch):
+    from bus.config import RedisConfig, redact
+    from bus.local_redis import LocalRedis
+    from bus.streams import Bus
+
+    async def main():
+        with LocalRedis(dir=tmp_path, password="pw-123") as server:
+            monkeypatch.setenv("MY_REDIS_PASSWORD", "pw-123")
+            cfg = RedisConfig(url=server.url, password_var="MY_REDIS_PASSWORD", reconnect_timeout_s=0)
+            b = await Bus.connect(server.url, "secret", cfg, "w1")
+            await b.publish(b.keys.tasks("e"), task(0))
+            await b.close()
+            monkeypatch.setenv("MY_REDIS_PASSWORD", "wrong")
+            with pytest.raises(RlbusError) as failed:
+                await Bus.connect(server.url, "secret", cfg, "w1")
+            assert "wrong" not in str(failed.value)
+
+    asyncio.run(main())
+    assert redact("redis://user:hunter2@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redact("rediss://:hunter2@host/0") == "rediss://:***@host/0"
+    assert redact("redis://host:6379/0") == "redis://host:6379/0"

@@ -137,3 +137,11 @@ def test_dry_run_prints_the_resolved_config(tmp_path, capsys):
 def test_cli_reports_config_errors(capsys):
     assert cli.main(["packer", "--packer.seq_len", "2", "--dry-run"]) == 2
     assert "packer.seq_len=2" in capsys.readouterr().err
+
+
+def test_passwords_are_redacted_in_dry_run_output(tmp_path):
+    from workers.config_loader import dump_json
+
+    config = load_config([], [("redis.url", "redis://u:hunter2@h:1/0")])
+    shown = dump_json(config)
+    assert "hunter2" not in shown and "redis://u:***@h:1/0" in shown

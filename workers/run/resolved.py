@@ -6,7 +6,11 @@ import json
 import os
 from typing import Any
 
+from bus.config import split_password
 from workers.config import RlbusConfig
+
+CHILD_PASSWORD_VAR = "RLBUS_REDIS_PASSWORD"
+"""Where ``rlbus run`` hands its children a password that was in the Redis URL (never in a file)."""
 
 
 def dump_toml(data: dict[str, Any]) -> str:
@@ -72,15 +76,25 @@ def torch_threads(config: RlbusConfig, cores: int | None = None) -> int:
     return max(1, cores // max(1, heavy))
 
 
+def child_password(config: RlbusConfig, redis_url: str) -> dict[str, str]:
+    """The environment children need for a password that was in the Redis URL (nothing otherwise)."""
+    _, password = split_password(redis_url)
+    return {CHILD_PASSWORD_VAR: password} if password is not None and config.redis.password_var is None else {}
+
+
 def resolve(config: RlbusConfig, *, redis_url: str, base_urls: list[str], threads: int,
             teacher_urls: list[str] = ()) -> dict[str, Any]:
     """The config children get: the user's settings plus the redis URL, servers, threads, resume step.
 
     ``ckpt.resume_step`` defaults to -1 (latest): a restarted trainer continues from its last
-    checkpoint; a fresh run has none (its output_dir was cleared), so it starts from step 0.
+    checkpoint; a fresh run has none (its output_dir was cleared), so it starts from step 0. A password
+    in the URL is not written: children read it from :data:`CHILD_PASSWORD_VAR` (see :func:`child_password`).
     """
     data = config.model_dump(mode="json", exclude_unset=True)
-    _set(data, "redis.url", redis_url)
+    url, password = split_password(redis_url)
+    _set(data, "redis.url", url)
+    if password is not None and config.redis.password_var is None:
+        _set(data, "redis.password_var", CHILD_PASSWORD_VAR)
     if base_urls:
         _set(data, "inference.base_urls", base_urls)
     if teacher_urls:

@@ -29,6 +29,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from bus.config import redact
 from bus.errors import CONFIG_EXIT_CODE, ConfigError, RlbusError
 from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv
 from bus.log import get_logger
@@ -41,7 +42,7 @@ from workers.run.accounting import group_counts
 from workers.run.eval import EvalCoordinator
 from workers.run.metrics import MetricsWriter
 from workers.run.report import build_summary, summary_text, write_report, write_summary
-from workers.run.resolved import dump_toml, needs_teacher_server, resolve, torch_threads
+from workers.run.resolved import child_password, dump_toml, needs_teacher_server, resolve, torch_threads
 from workers.run.status import RunProbe, plain_line, render
 from workers.run.supervisor import ChildSpec, Supervisor
 
@@ -68,6 +69,8 @@ class RunSession:
         self.stop = asyncio.Event()
         self.stopped_because = "stopped"
         self.fatal: str | None = None
+        self.secrets: dict[str, str] = {}
+        """Environment only the children get (a Redis password that was in the URL)."""
         self.background: list[asyncio.Task] = []
         """The run's own tasks beside the status loop (metrics, eval); one that fails stops the run."""
         self.started = time.monotonic()
@@ -116,7 +119,7 @@ class RunSession:
         threads = str(self.threads)
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
         return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+                "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **self.secrets}
 
     async def start_redis(self) -> str:
         binary = redis_binary()
@@ -205,6 +208,7 @@ class RunSession:
             await self._check_fresh(bus)
             ports, teacher_ports = self.inference_ports()
             host = self.config.inference.host
+            self.secrets = child_password(self.config, redis_url)
             data = resolve(self.config, redis_url=redis_url, base_urls=[f"http://{host}:{p}/v1" for p in ports],
                            threads=self.threads, teacher_urls=[f"http://{host}:{p}/v1" for p in teacher_ports])
             self.resolved_path = self.output_dir / "config.resolved.toml"
@@ -235,7 +239,7 @@ class RunSession:
         _, keys = await bus.redis.scan(0, match=bus.keys.pattern(), count=1000)
         if keys:
             raise ConfigError(
-                f"run {self.config.run.name!r} already has keys in {self.config.redis.url}; pass --resume to "
+                f"run {self.config.run.name!r} already has keys in {redact(self.config.redis.url)}; pass --resume to "
                 "continue it, or choose another run.name"
             )
 

@@ -14,6 +14,7 @@ import numpy as np
 import redis
 from pydantic import BaseModel
 
+from bus.config import redact
 from bus.errors import ConfigError, DecodeError
 from bus.keys import Keys
 from bus.messages import MicroBatch, decode
@@ -200,7 +201,7 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     try:
         client.ping()
     except redis.ConnectionError as e:
-        raise ConfigError(f"cannot reach Redis at {args.redis_url}: {e}; pass --redis-url") from e
+        raise ConfigError(f"cannot reach Redis at {redact(args.redis_url)}: {e}; pass --redis-url") from e
     try:
         if args.audit:
             result = audit(client, keys)

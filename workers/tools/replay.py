@@ -12,6 +12,7 @@ import sys
 
 import redis
 
+from bus.config import redact
 from bus.errors import ConfigError
 from bus.keys import Keys
 from bus.resp import as_str
@@ -77,7 +78,7 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     client = redis.Redis.from_url(url)
     copied = replay(client, args.from_run, args.to_run, args.stream, args.env, args.start, args.end)
     if not copied:
-        print(f"rlbus replay: run {args.from_run!r} has no {args.stream} streams in {url}", file=sys.stderr)
+        print(f"rlbus replay: run {args.from_run!r} has no {args.stream} streams in {redact(url)}", file=sys.stderr)
         return 1
     for stream, count in copied.items():
         print(f"copied {count} entries {stream} → {Keys(args.to_run).prefix}{stream[len(Keys(args.from_run).prefix):]}")

@@ -4,7 +4,7 @@ import pytest
 
 from tests.paths import CONFIGS, REPO
 from workers.config_loader import load_config
-from workers.run.resolved import dump_toml, resolve, torch_threads
+from workers.run.resolved import child_password, dump_toml, resolve, torch_threads
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -26,3 +26,14 @@ def test_torch_threads_share_the_cores():
     assert torch_threads(config, cores=2) == 1  # trainer + one inference server on 2 cores
     assert torch_threads(config, cores=16) == 8
     assert torch_threads(config, cores=1) == 1
+
+
+def test_a_password_in_the_redis_url_reaches_children_through_the_environment_only():
+    config = load_config([REPO / "configs" / "default.toml"])
+    url = "redis://:hunter2@127.0.0.1:1/0"
+    data = resolve(config, redis_url=url, base_urls=[], threads=1)
+    text = dump_toml(data)
+    assert "hunter2" not in text and 'url = "redis://127.0.0.1:1/0"' in text
+    assert data["redis"]["password_var"] == "RLBUS_REDIS_PASSWORD"
+    assert child_password(config, url) == {"RLBUS_REDIS_PASSWORD": "hunter2"}
+    assert child_password(config, "redis://127.0.0.1:1/0") == {}
