@@ -104,6 +104,16 @@ def write_shards(
     return files
 
 
+def remove_interrupted_saves(root: Path | str) -> list[Path]:
+    """Delete the ``.tmp-*`` directories a save killed midway left under ``root`` (weights or checkpoints); the
+    finished ones are renamed into place, so a ``.tmp-`` directory is never read. Returns what was removed."""
+    root = Path(root)
+    removed = sorted(p for p in root.glob(".tmp-*") if p.is_dir()) if root.is_dir() else []
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
 def _plan_shards(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0

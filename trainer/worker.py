@@ -18,6 +18,7 @@ from bus.log import configure_logging, get_logger
 from bus.messages import Metric, MicroBatch, WeightUpdate
 from bus.policy import PolicyTracker, publish_trained
 from bus.state import EVAL_HOLD_FIELD
+from bus.weight_files import weights_root
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, run_worker
 
@@ -52,7 +53,7 @@ class TrainerWorker:
         from trainer.losses import loss_fns
         from trainer.model import count_parameters, load_model, resolve_dtype
         from trainer.optim import build_optimizer, build_scheduler
-        from trainer.weights import HostCopy
+        from trainer.weights import HostCopy, remove_interrupted_saves
 
         torch.manual_seed(self.config.run.seed)
         lm = load_model(self.config.model.path, self.device, resolve_dtype(self.config.model.dtype, self.device))
@@ -64,6 +65,9 @@ class TrainerWorker:
         self.scheduler = build_scheduler(self.optimizer, self.cfg, self.config.run.max_steps)
         self.loss_fns = loss_fns(self.cfg.loss)
         self.ckpt = Checkpointer(self.output_dir, self.config.ckpt, self.ctx)
+        if self.ctx.is_main:
+            for path in remove_interrupted_saves(weights_root(self.output_dir)) + remove_interrupted_saves(self.ckpt.root):
+                self.log.warning("interrupted_save_removed", path=str(path))
         self.host_copy = HostCopy()
         self.bus = await connect_bus(self.config, f"trainer-{self.ctx.rank}")
         self.tracker = PolicyTracker(self.bus)

@@ -53,3 +53,16 @@ def test_save_weights_shards_and_untied_head(tmp_path):
     load_weights_into(dst, tmp_path / "w2")
     for (n, a), b in zip(src.state_dict().items(), reloaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_saves_killed_midway_are_removed_and_finished_ones_kept(tmp_path):
+    from trainer.weights import remove_interrupted_saves, save_weights, weights_dir
+
+    done = weights_dir(tmp_path, 1)
+    save_weights(tiny_lm(seed=1), done, 1)
+    half = tmp_path / "weights" / ".tmp-step_2-0123abcd"
+    half.mkdir()
+    (half / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    assert remove_interrupted_saves(tmp_path / "weights") == [half]
+    assert not half.exists() and (done / "model.safetensors.index.json").exists()
+    assert remove_interrupted_saves(tmp_path / "no-such-dir") == []
