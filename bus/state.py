@@ -22,6 +22,10 @@ STREAK_FIELD = "zero_variance_streak"
 STOP_REASON_FIELD = "stop_reason"
 """Why the run stopped (set by the filter on collapse; read by ``rlbus run`` and the status panel)."""
 
+RUN_EPOCH_FIELD = "run:epoch"
+"""A random id the trainer writes when the run first trains; every checkpoint carries it, so a trainer resuming
+onto a Redis that lost the run (wiped, a new volume, another server) notices instead of starting over."""
+
 EVAL_HOLD_FIELD = "eval:hold"
 """Inference servers serve no weights newer than this step while evals run (absent: no hold)."""
 

@@ -48,8 +48,10 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.cfg.interval is not None and step % self.cfg.interval == 0
 
-    def save(self, step: int, policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> Path:
-        """Write the checkpoint of ``step`` (every rank takes part in gathering; rank 0 writes)."""
+    def save(self, step: int, policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+             run_epoch: str | None = None) -> Path:
+        """Write the checkpoint of ``step`` (every rank takes part in gathering; rank 0 writes), stamped with the
+        run's epoch (:data:`bus.state.RUN_EPOCH_FIELD`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -57,7 +59,7 @@ class Checkpointer:
         final = self.root / f"step_{step}"
         if self.ctx.is_main:
             state = {"step": step, "model": model_state, "optimizer": optim_state,
-                     "scheduler": scheduler.state_dict(), "rng": _rng_state()}
+                     "scheduler": scheduler.state_dict(), "rng": _rng_state(), "run_epoch": run_epoch}
             tmp = self.root / f".tmp-step_{step}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
             torch.save(state, tmp / FILE_NAME)
@@ -68,8 +70,9 @@ class Checkpointer:
         barrier(self.ctx)
         return final
 
-    def load(self, step: int, policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
-        """Restore model, optimizer, scheduler and RNG states from the checkpoint of ``step``."""
+    def load(self, step: int, policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> str | None:
+        """Restore model, optimizer, scheduler and RNG states from the checkpoint of ``step``; returns the run
+        epoch it was made in (None for checkpoints written before epochs existed)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         state = torch.load(self.root / f"step_{step}" / FILE_NAME, map_location="cpu", weights_only=True)
@@ -77,6 +80,7 @@ class Checkpointer:
                        options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
+        return state.get("run_epoch")
 
     def prune(self) -> list[int]:
         """Delete checkpoints beyond ``keep_last``, except multiples of ``keep_interval``."""

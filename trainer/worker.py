@@ -12,12 +12,13 @@ import argparse
 import asyncio
 import os
 import time
+import uuid
 
-from bus.errors import RlbusError
+from bus.errors import ConfigError, RlbusError
 from bus.log import configure_logging, get_logger
 from bus.messages import Metric, MicroBatch, WeightUpdate
 from bus.policy import PolicyTracker, publish_trained
-from bus.state import EVAL_HOLD_FIELD
+from bus.state import EVAL_HOLD_FIELD, RUN_EPOCH_FIELD
 from bus.weight_files import weights_root
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, run_worker
@@ -72,9 +73,11 @@ class TrainerWorker:
         self.bus = await connect_bus(self.config, f"trainer-{self.ctx.rank}")
         self.tracker = PolicyTracker(self.bus)
         resume = self.ckpt.resolve(self.config.ckpt.resume_step)
+        made_in = None
         if resume is not None:
-            self.ckpt.load(resume, self.policy, self.optimizer, self.scheduler)
+            made_in = self.ckpt.load(resume, self.policy, self.optimizer, self.scheduler)
             self.step = resume
+        self.run_epoch = await self._run_epoch(resume, made_in)
         if self.ctx.is_main and self.cfg.weight_transport == "nccl":
             from trainer.broadcast import WeightBroadcaster
 
@@ -93,6 +96,23 @@ class TrainerWorker:
             else:
                 await publish_trained(self.bus, 0)
 
+    async def _run_epoch(self, resume: int | None, made_in: str | None) -> str:
+        """The run's epoch in Redis (written on the first start); a checkpoint from an epoch Redis does not hold
+        means Redis lost the run, and continuing would start the data and the versions over: stop."""
+        state = self.bus.keys.state()
+        if made_in is None:
+            await self.bus.redis.hsetnx(state, RUN_EPOCH_FIELD, uuid.uuid4().hex)
+            return await self.bus.state_get(RUN_EPOCH_FIELD)
+        held = await self.bus.state_get(RUN_EPOCH_FIELD)
+        if held != made_in:
+            what = "holds no state of this run" if held is None else f"holds another run epoch ({held})"
+            raise ConfigError(
+                f"checkpoint step_{resume} of run {self.config.run.name!r} was made in run epoch {made_in}, but Redis "
+                f"{what}: it was wiped or replaced since. Restore Redis's data (the AOF in output_dir/redis for "
+                f"`rlbus run`) and resume, or start the run fresh (a new run.name, or ckpt.resume_step unset)"
+            )
+        return held
+
     async def run(self) -> None:
         max_steps = self.config.run.max_steps
         while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
@@ -108,7 +128,7 @@ class TrainerWorker:
             metrics["weights_s"] = time.perf_counter() - t0
             if self.ckpt.due(step):
                 t0 = time.perf_counter()
-                self.ckpt.save(step, self.policy, self.optimizer, self.scheduler)
+                self.ckpt.save(step, self.policy, self.optimizer, self.scheduler, self.run_epoch)
                 metrics["ckpt_s"] = time.perf_counter() - t0
             await self.report(step, metrics)
         self.log.info("trainer_stopped", step=self.step)

@@ -2,8 +2,10 @@
 
 import asyncio
 
+import pytest
 import torch
 
+from bus.errors import ConfigError
 from bus.messages import Metric, PolicyVersion, WeightUpdate
 from bus.weight_files import verify_weights
 from tests.trainer.helpers import save_tiny_model, step_batches
@@ -155,3 +157,14 @@ def test_prune_keeps_served_steps_and_the_eval_hold(tmp_path, bus, run_name):
 
     asyncio.run(main())
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step_2", "step_3", "step_5"]
+
+
+def test_a_trainer_resuming_onto_a_wiped_redis_stops_and_says_so(tmp_path, redis_url, bus, run_name, redis_client):
+    model_dir = save_tiny_model(tmp_path / "model")
+    asyncio.run(publish_steps(bus, range(1, 3)))
+    train(make_config(redis_url, run_name, tmp_path / "a", model_dir, run={"max_steps": 2}))
+    for key in redis_client.scan_iter(match=f"rlbus:{{{run_name}}}:*"):  # Redis lost the run (FLUSHALL, a new volume)
+        redis_client.delete(key)
+    resumed = make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": -1})
+    with pytest.raises(ConfigError, match="wiped or replaced"):
+        train(resumed)
