@@ -112,6 +112,15 @@ class TrainerConfig(Section):
     keep_weights: int = Field(3, ge=1)
     """Weight directories kept (a directory still served is never deleted)."""
 
+    keep_batches: int | None = Field(8, ge=0)
+    """Trained ``batches:{s}`` streams kept in Redis: the trainer deletes ``batches:{s}`` once it is this many
+    steps old and a checkpoint covers it (a restarted trainer never reads it again), so Redis does not grow with
+    the run. None: keep every step. To replay a long run's batches later, set ``archive_batches``."""
+
+    archive_batches: bool = False
+    """Also write each trained step's micro-batches to ``output_dir/batches/step_{s}.msgpack``, which
+    ``rlbus replay --from-archive`` reads back into a run's streams after Redis deleted them."""
+
     broadcast_timeout_s: float = Field(300.0, gt=0)
     """nccl/gloo transport: how long the trainer waits for every inference server to join a weight broadcast."""
 

@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 
+from bus.archive import write_step
 from bus.errors import ConfigError, RlbusError
 from bus.log import configure_logging, get_logger
 from bus.messages import Metric, MicroBatch, WeightUpdate
@@ -38,6 +39,10 @@ class TrainerWorker:
         self.output_dir = config.run.output_dir
         self.log = get_logger(worker=f"trainer-{self.ctx.rank}", run=config.run.name, role="trainer")
         self.step = 0
+        self.retired = 0
+        """Steps up to this one had their ``batches:*`` streams deleted (by this process)."""
+        self._step_batches: list[MicroBatch] = []
+        """Every micro-batch of the step being trained (each rank trains its share)."""
         self.bus = None
         self.broadcaster = None
         self._stop = asyncio.Event()
@@ -130,8 +135,25 @@ class TrainerWorker:
                 t0 = time.perf_counter()
                 self.ckpt.save(step, self.policy, self.optimizer, self.scheduler, self.run_epoch)
                 metrics["ckpt_s"] = time.perf_counter() - t0
+            await self.retire_batches(step)
             await self.report(step, metrics)
         self.log.info("trainer_stopped", step=self.step)
+
+    async def retire_batches(self, step: int) -> None:
+        """Rank 0, after step ``step``: archive its micro-batches if asked, and delete the ``batches:*`` streams that
+        are ``keep_batches`` steps old and covered by a checkpoint."""
+        if not self.ctx.is_main:
+            return
+        if self.cfg.archive_batches:
+            write_step(self.output_dir, step, [mb.to_fields() for mb in self._step_batches])
+        if self.cfg.keep_batches is None:
+            return
+        checkpoints = self.ckpt.steps()
+        upto = min(step - self.cfg.keep_batches, checkpoints[-1] if checkpoints else 0)
+        doomed = [self.bus.keys.batches(s) for s in range(self.retired + 1, upto + 1)]
+        if doomed:
+            await self.bus.redis.delete(*doomed)
+            self.retired = upto
 
     async def read_batches(self, step: int) -> list[MicroBatch] | None:
         """Every micro-batch of ``batches:{step}`` with ``index % W == rank``; None when asked to stop first."""
@@ -146,6 +168,7 @@ class TrainerWorker:
                 if isinstance(message, MicroBatch) and message.step == step:
                     got[message.index] = message
                     count = message.count
+        self._step_batches = [got[i] for i in sorted(got)]
         return [got[i] for i in sorted(got) if i % self.ctx.world_size == self.ctx.rank]
 
     def train(self, step: int, micro_batches: list[MicroBatch], wait_s: float) -> dict[str, float]:

@@ -5,14 +5,17 @@ import asyncio
 import pytest
 import torch
 
+from bus.archive import archived_steps
 from bus.errors import ConfigError
-from bus.messages import Metric, PolicyVersion, WeightUpdate
+from bus.keys import Keys
+from bus.messages import Metric, MicroBatch, PolicyVersion, WeightUpdate
 from bus.weight_files import verify_weights
 from tests.trainer.helpers import save_tiny_model, step_batches
 from trainer.weights import read_weights
 from trainer.worker import TrainerWorker, main
 from workers.config import RlbusConfig
 from workers.lifecycle import run_worker
+from workers.tools.replay import replay_archive
 
 torch.set_num_threads(1)
 
@@ -168,3 +171,21 @@ def test_a_trainer_resuming_onto_a_wiped_redis_stops_and_says_so(tmp_path, redis
     resumed = make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": -1})
     with pytest.raises(ConfigError, match="wiped or replaced"):
         train(resumed)
+
+
+def test_trained_and_checkpointed_batches_leave_redis_and_the_archive_keeps_them(tmp_path, redis_url, bus, run_name,
+                                                                                   redis_client):
+    model_dir = save_tiny_model(tmp_path / "model")
+    asyncio.run(publish_steps(bus, range(1, 5)))
+    config = make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"interval": 2},
+                         trainer={"keep_batches": 1, "archive_batches": True})
+    train(config)
+    keys = Keys(run_name)
+    kept = [s for s in range(1, 5) if redis_client.exists(keys.batches(s))]
+    assert kept == [4]  # 1–3: a step old and covered by checkpoint step_4 (interval 2)
+    archived = archived_steps(tmp_path / "a" / "batches")
+    assert [s for s, _ in archived] == [1, 2, 3, 4]
+    copied = replay_archive(redis_client, tmp_path / "a" / "batches", run_name + "-again")
+    assert sum(copied.values()) == 4 * 2  # two micro-batches a step
+    again = [MicroBatch.from_fields(f) for _, f in redis_client.xrange(Keys(run_name + "-again").batches(2))]
+    assert sorted(mb.index for mb in again) == [0, 1] and all(mb.step == 2 for mb in again)

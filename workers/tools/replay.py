@@ -1,4 +1,5 @@
-"""``rlbus replay --from-run A --to-run B --stream rollouts|batches [--env E] [--start ID] [--end ID]``.
+"""``rlbus replay --from-run A --to-run B --stream rollouts|batches [--env E] [--start ID] [--end ID]``, or
+``rlbus replay --from-archive DIR --to-run B --stream batches`` for steps the trainer archived on disk.
 
 Copies the recorded entries of run A's ``rollouts:{env}`` (or every ``batches:{step}``) into the
 same streams of run B, in order, with new entry ids; each copy keeps its original id and run in
@@ -9,9 +10,11 @@ trainer (same seed and model ⇒ the same per-step losses as run A).
 
 import argparse
 import sys
+from pathlib import Path
 
 import redis
 
+from bus.archive import archived_steps, read_step
 from bus.config import redact
 from bus.errors import ConfigError
 from bus.keys import Keys
@@ -49,6 +52,20 @@ def copy_stream(client: redis.Redis, src: Keys, dst: Keys, stream: str, start: s
         low = "(" + as_str(rows[-1][0])
 
 
+def replay_archive(client: redis.Redis, archive: Path, to_run: str) -> dict[str, int]:
+    """Put every archived step of ``archive`` (``output_dir/batches``) into run ``to_run``'s ``batches:{s}``."""
+    dst = Keys(to_run)
+    copied = {}
+    for step, path in archived_steps(archive):
+        pipe = client.pipeline(transaction=False)
+        entries = read_step(path)
+        for fields in entries:
+            pipe.xadd(dst.batches(step), {**fields, b"orig_archive": str(path)})
+        pipe.execute()
+        copied[str(path)] = len(entries)
+    return copied
+
+
 def replay(client: redis.Redis, from_run: str, to_run: str, family: str, env: str | None = None,
            start: str = "-", end: str = "+") -> dict[str, int]:
     """Copy run ``from_run``'s ``family`` streams into run ``to_run``; stream → entries copied."""
@@ -63,7 +80,9 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rlbus replay", description="Copy recorded rollouts or batches of one run into another run's streams."
     )
-    parser.add_argument("--from-run", required=True, help="run whose entries are copied")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from-run", help="run whose entries are copied")
+    source.add_argument("--from-archive", type=Path, help="a run's batches archive (output_dir/batches; batches only)")
     parser.add_argument("--to-run", required=True, help="run that receives them")
     parser.add_argument("--stream", required=True, choices=("rollouts", "batches"), help="stream family to copy")
     parser.add_argument("--env", default=None, help="only rollouts:{ENV} (default: every env)")
@@ -76,6 +95,16 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
         print("rlbus replay: no Redis given; pass --redis-url redis://HOST:PORT/0", file=sys.stderr)
         return 2
     client = redis.Redis.from_url(url)
+    if args.from_archive is not None:
+        if args.stream != "batches":
+            raise ConfigError("--from-archive holds batches only; pass --stream batches")
+        copied = replay_archive(client, args.from_archive, args.to_run)
+        if not copied:
+            print(f"rlbus replay: {args.from_archive} holds no step_*.msgpack files", file=sys.stderr)
+            return 1
+        for path, count in copied.items():
+            print(f"copied {count} entries {path} → {Keys(args.to_run).prefix}batches")
+        return 0
     copied = replay(client, args.from_run, args.to_run, args.stream, args.env, args.start, args.end)
     if not copied:
         print(f"rlbus replay: run {args.from_run!r} has no {args.stream} streams in {redact(url)}", file=sys.stderr)
