@@ -44,6 +44,7 @@ local ids = {'ok'}
 for _ = 1, tonumber(arg()) do
   local stream, maxlen, pairs = key(), arg(), tonumber(arg())
   local cmd = {'XADD', stream, 'MAXLEN', '~', maxlen, '*'}
+  if maxlen == '0' then cmd = {'XADD', stream, '*'} end
   for _ = 1, 2 * pairs do cmd[#cmd + 1] = arg() end
   ids[#ids + 1] = redis.call(unpack(cmd))
 end
@@ -56,7 +57,7 @@ end
 return ids
 """
 """ARGV: consumer, then the acks (count; key index, group, id each), the guard (flag; key index, field,
-present flag, expected), the XADDs (count; key index, maxlen, pair count, fields and values each) and the
+present flag, expected), the XADDs (count; key index, maxlen (0: none), pair count, fields and values each) and the
 extra commands (count; argument count, name, key index, the other arguments each). KEYS: every key touched."""
 
 RENEW_LUA = """
@@ -114,11 +115,12 @@ def commit_args(
     consumer: str,
     acks: list[tuple[str, str, str]],
     outputs: list[tuple[str, dict]],
-    maxlen: int,
+    maxlen: Callable[[str], int | None],
     extra: Callable[[CommandRecorder], None] | None,
     guard: tuple[str, str, str | None] | None,
 ) -> CommitArgs:
-    """Encode one commit for :data:`COMMIT_LUA` (``outputs``: stream and encoded fields)."""
+    """Encode one commit for :data:`COMMIT_LUA` (``outputs``: stream and encoded fields; ``maxlen(stream)``: its
+    MAXLEN, None for none)."""
     args = CommitArgs(consumer)
     argv = [consumer, len(acks)]
     for stream, group, entry_id in acks:
@@ -130,7 +132,7 @@ def commit_args(
         argv += ["1", args.key(hash_key), name, "0" if expected is None else "1", expected or ""]
     argv.append(len(outputs))
     for stream, fields in outputs:
-        argv += [args.key(stream), maxlen, len(fields)]
+        argv += [args.key(stream), maxlen(stream) or 0, len(fields)]
         for name, value in fields.items():
             argv += [name, value]
     recorder = CommandRecorder()

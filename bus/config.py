@@ -57,7 +57,8 @@ class RedisConfig(Section):
     """Redis URL (``redis://host:port/db``). None: ``rlbus run`` starts a private redis-server; other roles fail."""
 
     maxlen: int = Field(100_000, ge=1)
-    """Approximate MAXLEN of every stream (XADD ``MAXLEN ~``); older entries are trimmed."""
+    """Approximate MAXLEN of the fan-out streams (metrics, policy, weights, dead; XADD ``MAXLEN ~``). The
+    consumer-group streams (tasks, rollouts, filtered) are trimmed behind their slowest group instead."""
 
     claim_idle_ms: int = Field(60_000, ge=100)
     """A pending entry idle this long (its consumer presumed dead) is reclaimed by another consumer."""

@@ -79,11 +79,19 @@ class Keys:
             raise ValueError(f"{key!r} is not a key of run {self.run!r}")
         return key[len(self.prefix) :].split(":", 1)[0]
 
+    def is_group_stream(self, key: str) -> bool:
+        """Whether ``key`` is one of the run's consumer-group streams (:data:`GROUP_STREAMS`)."""
+        return key.startswith(self.prefix) and self.family(key) in GROUP_STREAMS
+
     def suffix(self, key: str) -> str:
         """What follows the family name (the env or the step), or '' for run-wide keys."""
         rest = key[len(self.prefix) :].split(":", 1)
         return rest[1] if len(rest) == 2 else ""
 
+
+GROUP_STREAMS = ("tasks", "rollouts", "filtered")
+"""Families read through consumer groups: trimmed behind their slowest group (:meth:`bus.streams.Bus.trim_consumed`),
+never by MAXLEN, which could drop an entry still pending or not yet delivered."""
 
 # Consumer group names, one per consuming role.
 GROUP_ROLLOUT = "rollout"

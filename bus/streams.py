@@ -36,6 +36,16 @@ RECONNECT_MAX_S = 5.0
 """Longest wait between two tries."""
 
 
+TRIM_INTERVAL_S = 5.0
+"""How often a consuming stage trims its input streams behind their slowest group."""
+
+
+def _entry_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a sortable ``(milliseconds, sequence)``."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def reconnect_tries(timeout_s: float) -> int:
     """Retries whose backoff waits (0.1 s, 0.2 s, … capped at 5 s) add up to at least ``timeout_s``."""
     tries, waited, wait = 0, 0.0, RECONNECT_BASE_S
@@ -64,6 +74,7 @@ class Bus:
         self.cfg = cfg
         self.worker = worker
         self.log = get_logger(worker=worker, run=run)
+        self._trimmed_at = 0.0
         self._commit_script = client.register_script(COMMIT_LUA)
         self._renew_script = client.register_script(RENEW_LUA)
 
@@ -90,12 +101,16 @@ class Bus:
 
     # Publishing.
 
+    def _maxlen(self, stream: str) -> int | None:
+        """MAXLEN of a fan-out stream; None for a consumer-group stream (trimmed by :meth:`trim_consumed`)."""
+        return None if self.keys.is_group_stream(stream) else self.cfg.maxlen
+
     def _xadd(self, target: Any, stream: str, message: Message | dict) -> Any:
         fields = message if isinstance(message, dict) else message.to_fields()
-        return target.xadd(stream, fields, maxlen=self.cfg.maxlen, approximate=True)
+        return target.xadd(stream, fields, maxlen=self._maxlen(stream), approximate=True)
 
     async def publish(self, stream: str, message: Message) -> str:
-        """XADD one message (``MAXLEN ~ redis.maxlen``); returns its entry id."""
+        """XADD one message (fan-out streams: ``MAXLEN ~ redis.maxlen``); returns its entry id."""
         return as_str(await self._xadd(self.redis, stream, message))
 
     async def publish_many(self, stream: str, messages: list[Message]) -> list[str]:
@@ -270,6 +285,35 @@ class Bus:
         lost = await self._renew_script(keys=[s for s, _ in entries], args=[group, self.worker, *(i for _, i in entries)])
         return [entries[int(k)] for k in lost]
 
+    async def trim_consumed(self, stream: str) -> int:
+        """XTRIM MINID behind the slowest consumer group of ``stream``: only entries every group has been delivered
+        and has acked go (a group's floor is its oldest pending entry, else its last delivered one). Entries
+        delivered or added meanwhile have larger ids than any floor read here, so they are never trimmed.
+        Returns how many entries were removed."""
+        try:
+            groups = await self.redis.xinfo_groups(stream)
+        except ResponseError:  # no such stream yet
+            return 0
+        floors = []
+        for group in groups:
+            floor = as_str(group["last-delivered-id"])
+            if group["pending"]:
+                oldest = as_str((await self.redis.xpending(stream, group["name"]))["min"])
+                floor = min(floor, oldest, key=_entry_id)
+            floors.append(floor)
+        if not floors:
+            return 0
+        return int(await self.redis.xtrim(stream, minid=min(floors, key=_entry_id), approximate=False))
+
+    async def trim_consumed_every(self, streams: Iterable[str], interval_s: float = TRIM_INTERVAL_S) -> None:
+        """:meth:`trim_consumed` each of ``streams``, at most once every ``interval_s`` (call it from a loop)."""
+        now = time.monotonic()
+        if now - self._trimmed_at < interval_s:
+            return
+        self._trimmed_at = now
+        for stream in streams:
+            await self.trim_consumed(stream)
+
     async def ack(self, stream: str, group: str, ids: list[str]) -> None:
         if ids:
             await self.redis.xack(stream, group, *ids)
@@ -334,7 +378,7 @@ class Bus:
         Returns the ids of the outputs. The commit runs to its end even if the caller is cancelled.
         """
         encoded = [(stream, message.to_fields()) for stream, message in outputs]
-        args = commit_args(self.worker, acks, encoded, self.cfg.maxlen, extra, guard)
+        args = commit_args(self.worker, acks, encoded, self._maxlen, extra, guard)
         return await asyncio.shield(self._commit(args.keys, args.argv, guard))
 
     async def _commit(self, keys: list[str], argv: list, guard) -> list[str]:

@@ -423,3 +423,26 @@ def test_a_password_from_the_environment_and_never_in_what_is_printed(tmp_path, 
     assert redact("redis://user:hunter2@host:6379/0") == "redis://user:***@host:6379/0"
     assert redact("rediss://:hunter2@host/0") == "rediss://:***@host/0"
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
+
+
+def test_group_streams_are_trimmed_by_consumption_never_past_a_pending_entry(bus):
+    async def main():
+        async with bus("w1", maxlen=3) as b:
+            stream = b.keys.tasks("e")
+            await b.ensure_group(stream, GROUP)
+            await b.publish_many(stream, [task(i) for i in range(10)])
+            assert await b.redis.xlen(stream) == 10  # MAXLEN never applies to a consumer group's stream
+            first = await b.read_group([stream], GROUP, count=6)
+            await b.ack(stream, GROUP, [e.id for e in first[:2]] + [e.id for e in first[3:]])  # 2 stays pending
+            await b.trim_consumed(stream)
+            left = [e[0].decode() for e in await b.redis.xrange(stream)]
+            assert left[0] == first[2].id and len(left) == 8  # the pending one and the 4 never delivered stay
+            await b.ack(stream, GROUP, [first[2].id])
+            await b.trim_consumed(stream)
+            assert [e[0].decode() for e in await b.redis.xrange(stream)][0] == first[5].id  # the last delivered
+            await b.ensure_group(stream, "second", start_id="0")  # a second group that has read nothing
+            await b.publish(stream, task(10))
+            await b.trim_consumed(stream)
+            assert await b.redis.xlen(stream) == 6
+
+    asyncio.run(main())

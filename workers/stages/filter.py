@@ -100,6 +100,7 @@ class FilterWorker:
             if entries:
                 await self.process(entries)
                 await self._check_collapse()
+            await self.bus.trim_consumed_every(self.streams)
         self.log.info("filter_stopped", groups=self.groups)
 
     async def close(self) -> None:

@@ -127,6 +127,7 @@ class PackerWorker:
         while not self._stop.is_set():
             if self._keep_alive.done():
                 self._keep_alive.result()  # it gave up: the held groups may be another packer's now
+            await self.bus.trim_consumed_every(self.streams)
             step = self.last_step + 1
             if max_steps is not None and step > max_steps:
                 self.log.info("packer_done", last_step=self.last_step)

@@ -110,6 +110,7 @@ class RolloutWorker:
             while not self._stop.is_set():
                 if heartbeat.done():
                     heartbeat.result()  # it gave up: the running tasks may be another worker's now
+                await self.bus.trim_consumed_every(self.streams)
                 busy = len(active) - self._gated
                 if busy >= limit:
                     # Re-check every block_ms: a group that reaches the gate frees its slot without finishing.
