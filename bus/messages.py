@@ -170,7 +170,7 @@ class Task(Message):
     """One example to roll out as a group: feeder → ``tasks:{env}`` → rollout workers."""
 
     KIND: ClassVar[str] = "task"
-    HEADER: ClassVar[tuple[str, ...]] = ("env", "example_id", "epoch", "mode", "eval_step")
+    HEADER: ClassVar[tuple[str, ...]] = ("env", "example_id", "epoch", "mode", "group_size", "eval_step")
 
     task_id: str
     """Unique id of this task within the run (``{env}:{epoch}:{position}`` for training tasks)."""

@@ -7,8 +7,9 @@ stages that move a field do so in the same MULTI as the stream writes it account
 from collections.abc import Callable
 
 from bus.commit import CommandRecorder
+from bus.keys import GROUP_FILTER, GROUP_PACKER, GROUP_ROLLOUT
 from bus.messages import RolloutGroup, Task
-from bus.streams import Entry
+from bus.streams import Bus, Entry
 
 INFLIGHT_FIELD = "inflight"
 """Samples issued by the feeder and not yet consumed by the packer (dropped, dead-lettered)."""
@@ -62,3 +63,53 @@ def release_inflight(state_key: str) -> Callable[[Entry, CommandRecorder], None]
             pipe.hincrby(state_key, INFLIGHT_FIELD, -len(message.samples))
 
     return release
+
+
+_RECONCILE_LUA = """
+local total = 0
+for k = 2, #KEYS do
+  local stream, group, field = KEYS[k], ARGV[2 * k - 2], ARGV[2 * k - 1]
+  if redis.call('EXISTS', stream) == 1 then
+    local last, found = '0-0', false
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+      local info = {}
+      for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+      if info['name'] == group then last, found = info['last-delivered-id'], true end
+    end
+    local function add(entry)
+      local count, eval = 0, false
+      for i = 1, #entry[2], 2 do
+        local name = entry[2][i]
+        if name == field then count = tonumber(entry[2][i + 1]) or 0 end
+        if name == 'eval_step' then eval = true end
+      end
+      if not eval then total = total + count end
+    end
+    for _, entry in ipairs(redis.call('XRANGE', stream, '(' .. last, '+')) do add(entry) end
+    if found then
+      for _, p in ipairs(redis.call('XPENDING', stream, group, '-', '+', 1000000000)) do
+        for _, entry in ipairs(redis.call('XRANGE', stream, p[1], p[1])) do add(entry) end
+      end
+    end
+  end
+end
+local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if current ~= total then redis.call('HSET', KEYS[1], ARGV[1], total) end
+return {current, total}
+"""
+"""KEYS: the state hash, then the streams; ARGV: the in-flight field, then a (group, header field) pair per stream."""
+
+
+async def reconcile_inflight(bus: Bus, envs: list[str]) -> tuple[int, int]:
+    """Recompute ``inflight`` from the streams, inside Redis in one atomic step, and correct it; returns
+    ``(was, is)``. In flight = the training entries not yet consumed by the next stage's group (undelivered or
+    pending): tasks (their ``group_size`` header), rollout and filtered groups (their ``samples_count``). Every
+    commit moves the count together with the entries, so the two differ only after a lost release (an entry that
+    could not be decoded at all, say); this puts them back in step."""
+    streams = [(bus.keys.tasks(e), GROUP_ROLLOUT, "group_size") for e in envs]
+    streams += [(bus.keys.rollouts(e), GROUP_FILTER, "samples_count") for e in envs]
+    streams += [(bus.keys.filtered(e), GROUP_PACKER, "samples_count") for e in envs]
+    keys = [bus.keys.state(), *(s for s, _, _ in streams)]
+    args = [INFLIGHT_FIELD, *(a for _, group, field in streams for a in (group, field))]
+    was, now = await bus.redis.eval(_RECONCILE_LUA, len(keys), *keys, *args)
+    return int(was), int(now)

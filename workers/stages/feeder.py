@@ -23,18 +23,22 @@
 import argparse
 import asyncio
 import random
+import time
 from dataclasses import dataclass, field
 
 from bus.commit import CommitConflict
 from bus.errors import ConfigError
 from bus.log import get_logger
-from bus.messages import Task, training_task_id
+from bus.messages import Metric, Task, training_task_id
 from bus.resp import as_str
-from bus.state import INFLIGHT_FIELD, cursor_field, epoch_field
+from bus.state import INFLIGHT_FIELD, cursor_field, epoch_field, reconcile_inflight
 from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.envs.server import EnvHandle
 from workers.lifecycle import connect_bus, consumer_name, run_worker
+
+RECONCILE_INTERVAL_S = 30.0
+"""How often the feeder recomputes the in-flight count from the streams (:func:`bus.state.reconcile_inflight`)."""
 
 
 def epoch_order(size: int, seed: int, env: str, epoch: int, shuffle: bool = True) -> list[int]:
@@ -101,6 +105,7 @@ class FeederWorker:
         self.log = get_logger(worker=self.worker, run=config.run.name, role="feeder")
         self.bus: Bus | None = None
         self.cursors: list[EnvCursor] = []
+        self._reconciled_at = 0.0
         self.issued = 0
         self._stop = asyncio.Event()
 
@@ -148,6 +153,7 @@ class FeederWorker:
     async def run(self) -> None:
         max_epochs = self.config.feeder.max_epochs
         while not self._stop.is_set():
+            await self._reconcile()
             cursor = pick_env(self.cursors, max_epochs)
             if cursor is None:
                 self.log.info("feeder_done", epochs=max_epochs, issued=self.issued)
@@ -155,6 +161,18 @@ class FeederWorker:
             if await self._wait_for_room(cursor.group_size):
                 await self._issue(cursor)
         self.log.info("feeder_stopped", issued=self.issued)
+
+    async def _reconcile(self) -> None:
+        """Every ``RECONCILE_INTERVAL_S``: recompute the in-flight count from the streams; report and fix drift."""
+        if time.monotonic() - self._reconciled_at < RECONCILE_INTERVAL_S:
+            return
+        self._reconciled_at = time.monotonic()
+        was, now = await reconcile_inflight(self.bus, [c.name for c in self.cursors])
+        if was != now:
+            self.log.warning("inflight_reconciled", was=was, now=now,
+                             hint="a release was lost (an entry that could not be decoded, say); corrected")
+            await self.bus.publish(self.bus.keys.metrics(),
+                                   Metric(source="feeder", values={"feeder/inflight_drift": float(now - was)}))
 
     async def _wait_for_room(self, group_size: int) -> bool:
         """True once ``group_size`` more samples fit in flight; False on timeout (re-check stop)."""
