@@ -48,6 +48,10 @@ class Keys:
         """Stream of policy versions: ``trained`` by the trainer, ``served`` by inference servers."""
         return f"{self.prefix}policy"
 
+    def lease(self, role: str) -> str:
+        """String key: the consumer holding ``role``'s lease (one active packer; the others are standbys)."""
+        return f"{self.prefix}lease:{role}"
+
     def servers(self) -> str:
         """Sorted set of live inference servers: member = server id, score = its last heartbeat (Redis time, ms)."""
         return f"{self.prefix}servers"

@@ -285,6 +285,26 @@ class Bus:
         lost = await self._renew_script(keys=[s for s, _ in entries], args=[group, self.worker, *(i for _, i in entries)])
         return [entries[int(k)] for k in lost]
 
+    async def take_over(self, stream: str, group: str) -> int:
+        """Claim every pending entry of ``group`` on ``stream`` for this consumer at once (JUSTID: delivery counts
+        stay); for a standby that just took a lease, so the dead holder's entries need not wait ``claim_idle_ms``.
+        Returns how many were claimed."""
+        claimed, low = 0, "-"
+        while True:
+            try:
+                rows = await self.redis.xpending_range(stream, group, min=low, max="+", count=1000)
+            except ResponseError as e:
+                if "NOGROUP" in str(e):
+                    return claimed
+                raise
+            theirs = [row["message_id"] for row in rows if as_str(row["consumer"]) != self.worker]
+            if theirs:
+                await self.redis.xclaim(stream, group, self.worker, 0, theirs, justid=True)
+                claimed += len(theirs)
+            if len(rows) < 1000:
+                return claimed
+            low = "(" + as_str(rows[-1]["message_id"])
+
     async def trim_consumed(self, stream: str) -> int:
         """XTRIM MINID behind the slowest consumer group of ``stream``: only entries every group has been delivered
         and has acked go (a group's floor is its oldest pending entry, else its last delivered one). Entries

@@ -267,6 +267,10 @@ class FilterConfig(Section):
 
 
 class PackerConfig(Section):
+    lease_ttl_s: float = Field(5.0, gt=0)
+    """One packer builds steps at a time: it holds a lease it renews every third of this. Another packer waits
+    as a standby and takes over, with the first one's pending groups, within this long of the first one dying."""
+
     batch_size: int | None = Field(None, ge=1)
     """Samples per step; set this or token_batch_size (neither: 128)."""
 

@@ -37,6 +37,7 @@ import numpy as np
 from bus.commit import CommitConflict, NotOwned
 from bus.errors import ConfigError
 from bus.keys import GROUP_PACKER
+from bus.lease import Lease
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Sample, task_position
 from bus.policy import PolicyTracker
@@ -82,6 +83,8 @@ class PackerWorker:
         self.max_inflight = config.max_inflight_rollouts()
         self.max_group_size = max(e.group_size for e in config.env)
         self._stop = asyncio.Event()
+        self.active = False
+        """True once this packer holds the lease (a standby until then)."""
 
     @property
     def last_step(self) -> int:
@@ -98,9 +101,16 @@ class PackerWorker:
             await self.bus.ensure_group(stream, GROUP_PACKER)
         if self.vocab_size is None:
             self.vocab_size = model_vocab_size(self.config.model.path)
+        self.lease = Lease(self.bus, "packer", self.worker, self.cfg.lease_ttl_s)
+        self.log.info("packer_standby", hint="waiting for the packer lease; another packer holds it")
+        if not await self.lease.acquire(self._stop):
+            return
+        self.active = True
+        taken = sum([await self.bus.take_over(stream, GROUP_PACKER) for stream in self.streams])
         await self._restart_from_redis()
         self.log.info(
-            "packer_ready", last_step=self.last_step, streams=self.streams, dp_size=self.config.trainer.nproc
+            "packer_ready", last_step=self.last_step, streams=self.streams, dp_size=self.config.trainer.nproc,
+            pending_taken_over=taken,
         )
 
     async def _restart_from_redis(self) -> None:
@@ -111,22 +121,29 @@ class PackerWorker:
 
     async def close(self) -> None:
         if self.bus is not None:
+            if self.active:
+                await self.lease.release()
             await self.bus.close()
 
     async def run(self) -> None:
+        if not self.active:
+            return
         self._keep_alive = asyncio.create_task(self.bus.keep_claimed(GROUP_PACKER, lambda: self._ids))
+        self._lease_kept = asyncio.create_task(self.lease.keep())
         try:
             await self._loop()
         finally:
             self._keep_alive.cancel()
+            self._lease_kept.cancel()
         self.log.info("packer_stopped", last_step=self.last_step)
 
     async def _loop(self) -> None:
         max_steps = self.config.run.max_steps
         last_reclaim = time.monotonic()
         while not self._stop.is_set():
-            if self._keep_alive.done():
-                self._keep_alive.result()  # it gave up: the held groups may be another packer's now
+            for task in (self._keep_alive, self._lease_kept):
+                if task.done():
+                    task.result()  # it gave up: the held groups or the lease may be another packer's now
             await self.bus.trim_consumed_every(self.streams)
             step = self.last_step + 1
             if max_steps is not None and step > max_steps:

@@ -265,3 +265,32 @@ def test_a_second_group_for_the_same_task_is_dropped_and_counted(bus, redis_url,
             assert await b.state_get("inflight") == "0"
 
     asyncio.run(main())
+
+
+def test_a_second_packer_waits_as_a_standby_and_takes_over_the_first_ones_groups(bus, redis_url, run_name, model_dir):
+    cfg = config(redis_url, run_name, model_dir, lease_ttl_s=0.6)
+
+    async def main():
+        async with bus("test") as b:
+            stream = b.keys.filtered(ENV)
+            await b.state_set(inflight=2)
+            await b.publish(stream, group(1, [1.0, 0.0]))
+            first, second = PackerWorker(cfg, worker="packer-a"), PackerWorker(cfg, worker="packer-b")
+            await first.setup()
+            while first._replay:
+                await first._read(reclaim=False)
+            await first._read(reclaim=False)
+            assert [h.group.task_id for h in first.held] == [f"{ENV}:0:1"]
+            standby = asyncio.create_task(second.setup())
+            await asyncio.sleep(0.2)
+            assert not standby.done()  # a standby while the first one's lease lasts
+            await asyncio.wait_for(standby, 5)  # the first one stopped renewing (it "died"): the lease expires
+            while second._replay:
+                await second._read(reclaim=False)
+            assert [h.group.task_id for h in second.held] == [f"{ENV}:0:1"]  # taken over, not re-rolled
+            owners = {p["consumer"].decode() for p in await b.redis.xpending_range(stream, GROUP_PACKER, "-", "+", 10)}
+            assert owners == {"packer-b"}
+            await second.close()
+            await first.close()
+
+    asyncio.run(main())
