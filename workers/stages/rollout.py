@@ -210,7 +210,8 @@ class RolloutWorker:
                              eval_step=task.eval_step, timings=timings)
         generated = sum(int(s.loss_mask.sum()) for s in samples)
         metric = Metric(source="rollout", values={"tokens_generated": float(generated), "group_s": timings["total_s"],
-                                                  "wait_gate_s": wait_gate_s})
+                                                  "wait_gate_s": wait_gate_s,
+                                                  "rollout/train_groups": float(task.eval_step is None)})
         try:
             await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)],
                                   [(self.bus.keys.rollouts(task.env), group), (self.bus.keys.metrics(), metric)])

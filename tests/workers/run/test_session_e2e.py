@@ -145,7 +145,8 @@ def test_kill_9_of_each_role_still_reaches_max_steps(tmp_path, tiny_model_dir, r
     out = tmp_path / "run"
     steps = 20
     proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--run.name", run_name, "--redis.url", redis_url,
-                     "--redis.claim_idle_ms", "2000", "--ckpt.interval", "1", "--eval.env", "none")
+                     "--redis.claim_idle_ms", "2000", "--ckpt.interval", "1", "--eval.env", "none",
+                     "--trainer.keep_batches", "none")  # every batches:{s} stays, to count its micro-batches
     kills = [(2, "rollout"), (4, "filter"), (6, "packer"), (8, "trainer"), (10, "inference"), (12, "env")]
     for at, role in kills:
         wait_step(proc, out, at, timeout_s=180)
