@@ -255,7 +255,8 @@ class RunSession:
         probe = RunProbe(self.config, bus)
         writer = MetricsWriter(self.output_dir, self.config.run.name, self.config.wandb,
                                self.config.model_dump(mode="json"))
-        tasks = [asyncio.create_task(self._follow_metrics(bus, writer, probe), name="metrics")]
+        tasks = [asyncio.create_task(self._follow_metrics(bus, writer, probe), name="metrics"),
+                 asyncio.create_task(self._supervise(), name="supervisor")]
         if evaluator is not None:
             tasks.append(asyncio.create_task(self._run_eval(evaluator), name="eval"))
         self.background = tasks
@@ -311,6 +312,13 @@ class RunSession:
         finally:
             if live is not None:
                 live.stop()
+
+    async def _supervise(self) -> None:
+        """Restart failed children every 0.3 s, whatever the status loop is waiting on (a Redis that is down and
+        being retried is itself one of the children to restart)."""
+        while True:
+            self.sup.poll()
+            await asyncio.sleep(0.3)
 
     async def _follow_metrics(self, bus: Bus, writer, probe) -> None:
         while True:

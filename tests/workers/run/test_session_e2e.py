@@ -4,8 +4,10 @@ Each test starts `python -m workers.cli run` as a subprocess (plain log lines: s
 reads what it left: summary.json, metrics.jsonl, the streams.
 """
 
+import asyncio
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -13,11 +15,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 
+from bus.arrays import packb
+from bus.config import RedisConfig
 from bus.keys import GROUP_PACKER, Keys
 from bus.local_redis import LocalRedis, free_port
+from bus.messages import RolloutGroup, Sample
+from bus.state import reconcile_inflight
+from bus.streams import Bus
 from tests.paths import REPO
 
 DEFAULT = REPO / "configs" / "default.toml"
@@ -246,3 +254,93 @@ def test_default_job_learns_within_ten_minutes(tmp_path, tiny_model_dir):
     first = [rewards[s] for s in sorted(rewards)[:5]]
     assert sum(first) / len(first) < 0.12, "the random-init baseline is ~0.07"
     assert sum(last) / len(last) > LEARNING_THRESHOLD, (sum(last) / len(last), summary(out)["reward"])
+
+
+def inject_garbage(client: redis.Redis, keys: Keys, step: int) -> int:
+    """Malformed entries of many shapes into every stream of the run; returns how many went to group streams."""
+    env = "echo_chars"
+    shapes = [
+        {b"\xff\xfe": b"\x00"},  # a field name that is not UTF-8, nothing else
+        {b"kind": b"rollout_group", b"v": b"1", b"data": b"\xc1 not msgpack"},
+        {b"kind": b"task", b"v": b"1", b"data": packb({"prompt_ids": ["<x9", [1], b"abcd"]})},  # unknown dtype
+        {b"kind": b"rollout_group", b"v": b"99", b"data": b"\x80"},  # from the future
+    ]
+    sample = Sample.model_construct(prompt_ids=np.ones(2, np.int32), completion_ids=np.ones(2, np.int32),
+                                    completion_logprobs=np.zeros(2, np.float32), loss_mask=np.ones(2, bool),
+                                    teacher_logprobs=None, reward=float("nan"), advantage=0.0, metrics={},
+                                    policy_version_start=0, policy_version_end=0, temperature=1.0, flags={},
+                                    is_truncated=False, turns=1, mode="rl", task_id="echo_chars:0:999999", index=0)
+    nan_group = RolloutGroup.model_construct(task_id="echo_chars:0:999999", env=env, example_id="0", example_index=0,
+                                             epoch=0, mode="rl", samples=[sample], eval_step=None, timings={},
+                                             created_at=time.time()).to_fields()
+    grouped = 0
+    for stream in (keys.tasks(env), keys.rollouts(env), keys.filtered(env)):
+        for fields in shapes:
+            client.xadd(stream, fields)
+            grouped += 1
+    client.xadd(keys.rollouts(env), nan_group)  # a NaN reward
+    grouped += 1
+    for stream in (keys.batches(step), keys.policy(), keys.weights(), keys.metrics()):
+        for fields in shapes:
+            client.xadd(stream, fields)
+    return grouped
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_balance(tmp_path, tiny_model_dir):
+    """30 kill -9 of random roles, a rollout worker stopped past claim_idle_ms, Redis killed and restarted, malformed
+    entries in every stream and a NaN reward, all in one run: it reaches max_steps, every group is accounted for,
+    nothing is trained twice, the in-flight count is what the streams say."""
+    out = tmp_path / "run"
+    steps = 40
+    proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--redis.claim_idle_ms", "2000",
+                     "--ckpt.interval", "1", "--eval.env", "none", "--rollout.workers", "2",
+                     "--trainer.keep_batches", "none", "--packer.lease_ttl_s", "2")
+    wait_step(proc, out, 2, timeout_s=180)
+    url = re.search(r'^url = "(.*)"', (out / "config.resolved.toml").read_text(), flags=re.M).group(1)
+    client, keys = redis.Redis.from_url(url), Keys("default")
+    garbage = inject_garbage(client, keys, trained_step(out) + 3)
+    client.close()
+    rng = random.Random(0)
+    roles = ["rollout", "filter", "packer", "trainer", "inference", "feeder"]
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    kills, stalled, redis_killed = 0, False, False
+    while kills < 30:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended after {kills} kills; its output:\n{stdout_of(out)[-4000:]}")
+        rollouts = processes_mentioning(f"workers.cli rollout @ {out / 'config.resolved.toml'}")
+        if kills >= 10 and not stalled and rollouts:  # a rollout worker frozen longer than claim_idle_ms, then thawed
+            pid = rng.choice(rollouts)
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(3.5)
+            os.kill(pid, signal.SIGCONT)
+            stalled = True
+        if kills >= 20 and not redis_killed:  # Redis itself: the supervisor restarts it from its append-only file
+            os.kill(processes_mentioning(f"redis-server 127.0.0.1:{port}")[0], signal.SIGKILL)
+            redis_killed = True
+        pids = processes_mentioning(f"workers.cli {rng.choice(roles)} @ {out / 'config.resolved.toml'}")
+        if pids:
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            kills += 1
+        time.sleep(rng.uniform(0.3, 1.2))
+    assert wait_exit(proc, out, 600) == 0, stdout_of(out)[-4000:]
+    s = summary(out)
+    assert s["steps_trained"] == steps and s["stopped_because"] == "max_steps"
+    assert sum(s["restarts"].values()) >= 30, s["restarts"]
+    assert_counts_add_up(s["groups"])
+    with LocalRedis(dir=out / "redis") as server:
+        audit = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "--run", "default", "--redis-url",
+                                server.url, "--audit"], capture_output=True, text=True, cwd=REPO)
+        assert audit.returncode == 0 and "trained twice: none" in audit.stdout, audit.stdout[-3000:]
+
+        async def books() -> tuple[tuple[int, int], int]:
+            bus = await Bus.connect(server.url, "default", RedisConfig(url=server.url), "auditor")
+            try:
+                return await reconcile_inflight(bus, ["echo_chars"]), await bus.redis.xlen(bus.keys.dead())
+            finally:
+                await bus.close()
+
+        (was, now), dead = asyncio.run(books())
+        assert was == now, f"the in-flight count drifted: {was} recorded, {now} in the streams"
+        assert dead >= garbage
