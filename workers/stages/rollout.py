@@ -175,8 +175,8 @@ class RolloutWorker:
         envs = self.eval_envs if task.eval_step is not None else self.train_envs
         env = envs.get(task.env)
         if env is None:
-            await self.bus.dead_letter(entry, reason=f"task for env {task.env!r}, which is not configured here "
-                                       f"(envs: {sorted(self.envs)})", group=GROUP_ROLLOUT)
+            await self._dead_letter(entry, task, f"task for env {task.env!r}, which is not configured here "
+                                    f"(envs: {sorted(self.envs)})")
             return
         started = time.monotonic()
         log = self.log.bind(task_id=task.task_id, env=task.env)
