@@ -112,10 +112,10 @@ class TrainerConfig(Section):
     keep_weights: int = Field(3, ge=1)
     """Weight directories kept (a directory still served is never deleted)."""
 
-    keep_batches: int | None = Field(8, ge=0)
+    keep_batches: int = Field(8, ge=0)
     """Trained ``batches:{s}`` streams kept in Redis: the trainer deletes ``batches:{s}`` once it is this many
     steps old and a checkpoint covers it (a restarted trainer never reads it again), so Redis does not grow with
-    the run. None: keep every step. To replay a long run's batches later, set ``archive_batches``."""
+    the run. 0: never delete. To replay a long run's batches later, set ``archive_batches``."""
 
     archive_batches: bool = False
     """Also write each trained step's micro-batches to ``output_dir/batches/step_{s}.msgpack``, which

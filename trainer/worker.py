@@ -146,7 +146,7 @@ class TrainerWorker:
             return
         if self.cfg.archive_batches:
             write_step(self.output_dir, step, [mb.to_fields() for mb in self._step_batches])
-        if self.cfg.keep_batches is None:
+        if self.cfg.keep_batches == 0:
             return
         checkpoints = self.ckpt.steps()
         upto = min(step - self.cfg.keep_batches, checkpoints[-1] if checkpoints else 0)
