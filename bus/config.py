@@ -56,9 +56,14 @@ class RedisConfig(Section):
     url: str | None = None
     """Redis URL (``redis://host:port/db``). None: ``rlbus run`` starts a private redis-server; other roles fail."""
 
-    maxlen: int = Field(100_000, ge=1)
-    """Approximate MAXLEN of the fan-out streams (metrics, policy, weights, dead; XADD ``MAXLEN ~``). The
-    consumer-group streams (tasks, rollouts, filtered) are trimmed behind their slowest group instead."""
+    maxlen: int = Field(10_000, ge=1)
+    """Approximate MAXLEN of ``metrics`` and ``dead`` (XADD ``MAXLEN ~``; ``rlbus run`` keeps every metrics row in
+    metrics.jsonl). The consumer-group streams (tasks, rollouts, filtered) are trimmed behind their slowest group
+    instead."""
+
+    events_maxlen: int = Field(1_000, ge=10)
+    """Approximate MAXLEN of ``policy`` and ``weights``: their readers need only the newest events (a server
+    catches up from the newest weights; a tracker from the newest versions), so a long run keeps a flat footprint."""
 
     claim_idle_ms: int = Field(60_000, ge=100)
     """A pending entry idle this long (its consumer presumed dead) is reclaimed by another consumer."""

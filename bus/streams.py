@@ -103,7 +103,11 @@ class Bus:
 
     def _maxlen(self, stream: str) -> int | None:
         """MAXLEN of a fan-out stream; None for a consumer-group stream (trimmed by :meth:`trim_consumed`)."""
-        return None if self.keys.is_group_stream(stream) else self.cfg.maxlen
+        if self.keys.is_group_stream(stream):
+            return None
+        if stream in (self.keys.policy(), self.keys.weights()):
+            return min(self.cfg.maxlen, self.cfg.events_maxlen)
+        return self.cfg.maxlen
 
     def _xadd(self, target: Any, stream: str, message: Message | dict) -> Any:
         fields = message if isinstance(message, dict) else message.to_fields()
