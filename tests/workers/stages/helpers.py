@@ -46,3 +46,10 @@ async def micro_batches(bus, step: int) -> list[MicroBatch]:
 
 async def pending(bus, stream: str, group: str) -> int:
     return int((await bus.redis.xpending(stream, group))["pending"])
+
+
+async def read_all(packer) -> None:
+    """What a started packer reads first: its own pending entries (replay), then the new ones."""
+    while packer._replay:
+        await packer._read(reclaim=False)
+    await packer._read(reclaim=False)

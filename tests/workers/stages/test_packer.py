@@ -16,7 +16,7 @@ from bus.messages import Metric
 from bus.policy import publish_trained
 from bus.state import LAST_STEP_FIELD
 from tests.paths import REPO
-from tests.workers.stages.helpers import ENV, config, group, micro_batches, pending
+from tests.workers.stages.helpers import ENV, config, group, micro_batches, pending, read_all
 from workers.stages.packer import PAUSE_ENV, PackerWorker
 
 
@@ -226,9 +226,7 @@ def test_a_group_with_token_ids_outside_the_vocabulary_goes_dead(bus, redis_url,
             await b.publish(stream, group(2, [1.0, 0.0]))
             worker = PackerWorker(cfg, worker="packer-0")
             await worker.setup()
-            while worker._replay:  # its own pending entries first: none
-                await worker._read(reclaim=False)
-            await worker._read(reclaim=False)
+            await read_all(worker)
             await worker.close()
             assert [h.group.task_id for h in worker.held] == [f"{ENV}:0:2"]
             (_, letter), = await b.read_fanout(b.keys.dead())
@@ -250,9 +248,7 @@ def test_a_second_group_for_the_same_task_is_dropped_and_counted(bus, redis_url,
             await b.publish(stream, group(2, [1.0, 0.0]))
             worker = PackerWorker(cfg, worker="packer-0")
             await worker.setup()
-            while worker._replay:
-                await worker._read(reclaim=False)
-            await worker._read(reclaim=False)
+            await read_all(worker)
             await worker.build(1)
             await worker._read(reclaim=False)
             await worker.build(2)
@@ -277,9 +273,7 @@ def test_a_second_packer_waits_as_a_standby_and_takes_over_the_first_ones_groups
             await b.publish(stream, group(1, [1.0, 0.0]))
             first, second = PackerWorker(cfg, worker="packer-a"), PackerWorker(cfg, worker="packer-b")
             await first.setup()
-            while first._replay:
-                await first._read(reclaim=False)
-            await first._read(reclaim=False)
+            await read_all(first)
             assert [h.group.task_id for h in first.held] == [f"{ENV}:0:1"]
             standby = asyncio.create_task(second.setup())
             await asyncio.sleep(0.2)
