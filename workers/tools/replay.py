@@ -95,20 +95,20 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
         print("rlbus replay: no Redis given; pass --redis-url redis://HOST:PORT/0", file=sys.stderr)
         return 2
     client = redis.Redis.from_url(url)
+    dst = Keys(args.to_run)
     if args.from_archive is not None:
         if args.stream != "batches":
             raise ConfigError("--from-archive holds batches only; pass --stream batches")
         copied = replay_archive(client, args.from_archive, args.to_run)
-        if not copied:
-            print(f"rlbus replay: {args.from_archive} holds no step_*.msgpack files", file=sys.stderr)
-            return 1
-        for path, count in copied.items():
-            print(f"copied {count} entries {path} → {Keys(args.to_run).prefix}batches")
-        return 0
-    copied = replay(client, args.from_run, args.to_run, args.stream, args.env, args.start, args.end)
+        nothing = f"{args.from_archive} holds no step_*.msgpack files"
+        target = lambda source: f"{dst.prefix}batches"  # noqa: E731
+    else:
+        copied = replay(client, args.from_run, args.to_run, args.stream, args.env, args.start, args.end)
+        nothing = f"run {args.from_run!r} has no {args.stream} streams in {redact(url)}"
+        target = lambda source: dst.prefix + source[len(Keys(args.from_run).prefix):]  # noqa: E731
     if not copied:
-        print(f"rlbus replay: run {args.from_run!r} has no {args.stream} streams in {redact(url)}", file=sys.stderr)
+        print(f"rlbus replay: {nothing}", file=sys.stderr)
         return 1
-    for stream, count in copied.items():
-        print(f"copied {count} entries {stream} → {Keys(args.to_run).prefix}{stream[len(Keys(args.from_run).prefix):]}")
+    for source, count in copied.items():
+        print(f"copied {count} entries {source} → {target(source)}")
     return 0
