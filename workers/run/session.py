@@ -282,7 +282,6 @@ class RunSession:
             live.start()
         try:
             while not self.stop.is_set():
-                self.sup.poll()
                 snap = await probe.snapshot()
                 snap.restarts = self.sup.restarts_by_role()
                 snap.events = self.events
