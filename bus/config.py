@@ -54,7 +54,8 @@ class Section(BaseModel):
 
 class RedisConfig(Section):
     url: str | None = None
-    """Redis URL (``redis://host:port/db``). None: ``rlbus run`` starts a private redis-server; other roles fail."""
+    """Redis URL (``redis://host:port/db``, or ``rediss://`` for TLS, with redis-py's query options such as
+    ``?ssl_ca_certs=/path/ca.pem``). None: ``rlbus run`` starts a private redis-server; other roles fail."""
 
     maxlen: int = Field(10_000, ge=1)
     """Approximate MAXLEN of ``metrics`` and ``dead`` (XADD ``MAXLEN ~``; ``rlbus run`` keeps every metrics row in
@@ -73,6 +74,12 @@ class RedisConfig(Section):
 
     max_deliveries: int = Field(5, ge=1)
     """An entry delivered this many times without an ack goes to ``dead``."""
+
+    max_entry_bytes: int = Field(64 * 2**20, ge=1024)
+    """Largest stream entry (field names and values together) a worker decodes. A bigger one is dead-lettered
+    with its fields cut to their first KiB (a consumer-group stream) or skipped (a fan-out reader), so one
+    oversized entry cannot exhaust a worker's memory while it is decoded. The default (64 MiB) is far above
+    any real group or micro-batch."""
 
     password_var: str | None = None
     """Environment variable holding the Redis password (AUTH), so it stays out of URLs, files and logs;

@@ -1,12 +1,20 @@
-"""A lease: one holder at a time for a role that must not run twice (the packer), the others wait as standbys.
+"""A lease: one holder at a time for a role that must not run twice (packer, trainer), the others wait as standbys.
 
 The holder SETs ``lease:{role}`` with a TTL and renews it every third of it, only while the key still names it
 (compare-and-expire in one script). A holder that cannot renew — its lease expired while it was stalled, or Redis
 is gone — stops at once; a standby takes the key when it expires and, before it starts, takes over the pending
 entries the old holder left (the commit's ownership check refuses any late write of the old one).
+
+A holder whose loop blocks for long stretches (the trainer, in a step or a checkpoint save) renews from a thread
+with its own connection instead (:meth:`Lease.keep_in_thread`), so a long step never looks like a dead holder.
 """
 
 import asyncio
+import threading
+import time
+
+import redis
+from redis.exceptions import RedisError
 
 from bus.errors import RlbusError
 from bus.streams import Bus
@@ -53,6 +61,50 @@ class Lease:
                 raise LeaseLost(f"{self.key} is no longer held by {self.holder} (now: {owner!r}); stopping so that "
                                 "only one holder works")
 
+    def keep_in_thread(self, url: str, password: str | None) -> "LeaseKeeper":
+        """Renew from a daemon thread over its own connection; check :meth:`LeaseKeeper.check` between steps."""
+        keeper = LeaseKeeper(self, redis.Redis.from_url(url, password=password, socket_timeout=self.ttl_ms / 3000))
+        keeper.start()
+        return keeper
+
     async def release(self) -> None:
         """Give the lease up now (a clean stop), so a standby takes over without waiting for the TTL."""
         await self.bus.redis.eval(_RELEASE_LUA, 1, self.key, self.holder)
+
+
+class LeaseKeeper(threading.Thread):
+    """The renewing thread of a :class:`Lease`: every third of the TTL, compare-and-expire; a lease another holder
+    has, or that could not be renewed for a whole TTL (Redis away), is lost for good."""
+
+    def __init__(self, lease: Lease, client: redis.Redis):
+        super().__init__(name=f"lease-{lease.key}", daemon=True)
+        self.lease, self.client = lease, client
+        self.lost: str | None = None
+        """Why the lease was lost (None while it is held)."""
+        self._closing = threading.Event()
+
+    def run(self) -> None:
+        lease, failing_since = self.lease, None
+        while not self._closing.wait(lease.ttl_ms / 3000):
+            try:
+                renewed = self.client.eval(_RENEW_LUA, 1, lease.key, lease.holder, lease.ttl_ms)
+            except (RedisError, OSError) as e:
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since >= lease.ttl_ms / 1000:
+                    self.lost = f"{lease.key} could not be renewed for {lease.ttl_ms / 1000:.0f} s ({e})"
+                    return
+                continue
+            failing_since = None
+            if not renewed:
+                self.lost = f"{lease.key} is no longer held by {lease.holder}"
+                return
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` once the lease is lost."""
+        if self.lost is not None:
+            raise LeaseLost(f"{self.lost}; stopping so that only one holder works")
+
+    def close(self) -> None:
+        self._closing.set()
+        self.join(timeout=5)
+        self.client.close()

@@ -35,6 +35,10 @@ local t = redis.call('TIME')
 return redis.call('ZRANGEBYSCORE', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000) - tonumber(ARGV[1]), '+inf')
 """
 
+LIVE_CACHE_S = 1.0
+"""A tracker re-reads the live-server set at most this often (also every refresh that brought new events, and at
+most a fifth of the server TTL), so frequent refreshes cost one XREAD, not an XREAD and a script."""
+
 _PAGE = 1000
 """Policy events read per XREAD; a full page means more may be waiting."""
 
@@ -74,6 +78,8 @@ class PolicyTracker:
         self.live: set[str] = set()
         """Servers whose heartbeat is younger than ``server_ttl_s`` at the last refresh."""
         self._last_id = "0"
+        self._live_at = float("-inf")
+        self._live_every_s = min(LIVE_CACHE_S, server_ttl_s / 5)
 
     @property
     def served(self) -> int:
@@ -98,10 +104,15 @@ class PolicyTracker:
                     self.served_by[event.server] = event.step
             seen = seen or bool(events)
             if len(events) < _PAGE:
-                live = await self.bus.redis.eval(_LIVE_LUA, 1, self.bus.keys.servers(), int(self.server_ttl_s * 1000))
-                self.live = {as_str(server) for server in live}
+                if seen or time.monotonic() - self._live_at >= self._live_every_s:
+                    await self._refresh_live()
                 return seen
             block_ms = None
+
+    async def _refresh_live(self) -> None:
+        live = await self.bus.redis.eval(_LIVE_LUA, 1, self.bus.keys.servers(), int(self.server_ttl_s * 1000))
+        self.live = {as_str(server) for server in live}
+        self._live_at = time.monotonic()
 
     async def wait(self, predicate: Callable[["PolicyTracker"], bool], timeout_s: float | None = None) -> None:
         """Block (XREAD BLOCK) until ``predicate(self)`` holds; TimeoutError after ``timeout_s`` (None: forever)."""

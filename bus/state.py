@@ -27,6 +27,11 @@ RUN_EPOCH_FIELD = "run:epoch"
 """A random id the trainer writes when the run first trains; every checkpoint carries it, so a trainer resuming
 onto a Redis that lost the run (wiped, a new volume, another server) notices instead of starting over."""
 
+TRAINER_FIELD = "trainer"
+"""``{holder}@{step}``: the trainer that holds the trainer lease and the last step it published. Each publication
+is a commit guarded on the value it last wrote, so a trainer that was replaced (a standby took over) or a Redis
+that went back to an older copy of the run (its steps are behind the trainer's) refuses the write."""
+
 EVAL_HOLD_FIELD = "eval:hold"
 """Inference servers serve no weights newer than this step while evals run (absent: no hold)."""
 
@@ -65,10 +70,11 @@ def release_inflight(state_key: str) -> Callable[[Entry, CommandRecorder], None]
     return release
 
 
-_RECONCILE_LUA = """
-local total = 0
+_UNCONSUMED_LUA = """
+local total, counts = 0, {}
 for k = 2, #KEYS do
   local stream, group, field = KEYS[k], ARGV[2 * k - 2], ARGV[2 * k - 1]
+  local entries = 0
   if redis.call('EXISTS', stream) == 1 then
     local last, found = '0-0', false
     for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
@@ -83,7 +89,7 @@ for k = 2, #KEYS do
         if name == field then count = tonumber(entry[2][i + 1]) or 0 end
         if name == 'eval_step' then eval = true end
       end
-      if not eval then total = total + count end
+      if not eval then total, entries = total + count, entries + 1 end
     end
     for _, entry in ipairs(redis.call('XRANGE', stream, '(' .. last, '+')) do add(entry) end
     if found then
@@ -92,12 +98,36 @@ for k = 2, #KEYS do
       end
     end
   end
+  counts[k - 1] = entries
 end
 local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-if current ~= total then redis.call('HSET', KEYS[1], ARGV[1], total) end
-return {current, total}
+if ARGV[#ARGV] == 'correct' and current ~= total then redis.call('HSET', KEYS[1], ARGV[1], total) end
+return {current, total, counts}
 """
-"""KEYS: the state hash, then the streams; ARGV: the in-flight field, then a (group, header field) pair per stream."""
+"""Training entries not yet consumed by a stream's next group (undelivered, or pending), counted in one atomic
+step. KEYS: the state hash, then the streams; ARGV: the in-flight field, a (group, header field) pair per stream,
+then ``correct`` (set the field to the total) or ``count``. Returns the field's value, the total of the header
+fields, and the number of entries per stream."""
+
+
+def _unconsumed_streams(bus: Bus, envs: list[str]) -> list[tuple[str, str, str]]:
+    """(stream, its consuming group, the header field holding its samples) of every hop between feeder and packer."""
+    streams = [(bus.keys.tasks(e), GROUP_ROLLOUT, "group_size") for e in envs]
+    streams += [(bus.keys.rollouts(e), GROUP_FILTER, "samples_count") for e in envs]
+    return streams + [(bus.keys.filtered(e), GROUP_PACKER, "samples_count") for e in envs]
+
+
+async def _unconsumed(bus: Bus, streams: list[tuple[str, str, str]], mode: str) -> list:
+    keys = [bus.keys.state(), *(s for s, _, _ in streams)]
+    args = [INFLIGHT_FIELD, *(a for _, group, field in streams for a in (group, field)), mode]
+    return await bus.redis.eval(_UNCONSUMED_LUA, len(keys), *keys, *args)
+
+
+async def unconsumed_entries(bus: Bus, envs: list[str]) -> dict[str, int]:
+    """Per stream between feeder and packer: its training entries the next stage has not consumed yet."""
+    streams = _unconsumed_streams(bus, envs)
+    _, _, counts = await _unconsumed(bus, streams, "count")
+    return {stream: int(n) for (stream, _, _), n in zip(streams, counts, strict=True)}
 
 
 async def reconcile_inflight(bus: Bus, envs: list[str]) -> tuple[int, int]:
@@ -106,10 +136,5 @@ async def reconcile_inflight(bus: Bus, envs: list[str]) -> tuple[int, int]:
     pending): tasks (their ``group_size`` header), rollout and filtered groups (their ``samples_count``). Every
     commit moves the count together with the entries, so the two differ only after a lost release (an entry that
     could not be decoded at all, say); this puts them back in step."""
-    streams = [(bus.keys.tasks(e), GROUP_ROLLOUT, "group_size") for e in envs]
-    streams += [(bus.keys.rollouts(e), GROUP_FILTER, "samples_count") for e in envs]
-    streams += [(bus.keys.filtered(e), GROUP_PACKER, "samples_count") for e in envs]
-    keys = [bus.keys.state(), *(s for s, _, _ in streams)]
-    args = [INFLIGHT_FIELD, *(a for _, group, field in streams for a in (group, field))]
-    was, now = await bus.redis.eval(_RECONCILE_LUA, len(keys), *keys, *args)
+    was, now, _ = await _unconsumed(bus, _unconsumed_streams(bus, envs), "correct")
     return int(was), int(now)

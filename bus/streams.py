@@ -36,6 +36,9 @@ RECONNECT_MAX_S = 5.0
 """Longest wait between two tries."""
 
 
+KEPT_BYTES = 1024
+"""How much of each field of an oversized entry its dead letter keeps."""
+
 TRIM_INTERVAL_S = 5.0
 """How often a consuming stage trims its input streams behind their slowest group."""
 
@@ -44,6 +47,11 @@ def _entry_id(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a sortable ``(milliseconds, sequence)``."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def entry_size(fields: dict[bytes, bytes]) -> int:
+    """Bytes of an entry's field names and values."""
+    return sum(len(k) + len(v) for k, v in fields.items())
 
 
 def reconnect_tries(timeout_s: float) -> int:
@@ -165,6 +173,12 @@ class Bus:
                 await self.ack(stream, group, [entry_id])
                 continue
             count = deliveries.get(entry_id, 1)
+            size = entry_size(fields)
+            if size > self.cfg.max_entry_bytes:
+                cut = {k: v[:KEPT_BYTES] for k, v in fields.items()}
+                await self.dead_letter(stream, entry_id, cut, reason=f"entry of {size} bytes exceeds "
+                                       f"redis.max_entry_bytes={self.cfg.max_entry_bytes}", group=group, deliveries=count)
+                continue
             try:
                 message = decode(fields)
             except DecodeError as e:
@@ -429,7 +443,7 @@ class Bus:
             for raw_id, fields in reply[0][1]:
                 last_id = as_str(raw_id)
                 try:
-                    out.append((last_id, decode(fields)))
+                    out.append((last_id, self._decode_fanout(fields)))
                 except DecodeError as e:
                     self.log.error("fanout_entry_undecodable", stream=stream, entry_id=last_id, error=str(e))
             if out:
@@ -440,10 +454,16 @@ class Bus:
         """The newest entry of ``stream`` that decodes (among the newest ``scan``), or None when there is none."""
         for raw_id, fields in await self.redis.xrevrange(stream, count=scan):
             try:
-                return as_str(raw_id), decode(fields)
+                return as_str(raw_id), self._decode_fanout(fields)
             except DecodeError as e:
                 self.log.error("entry_undecodable", stream=stream, entry_id=as_str(raw_id), error=str(e))
         return None
+
+    def _decode_fanout(self, fields: dict[bytes, bytes]) -> Message:
+        size = entry_size(fields)
+        if size > self.cfg.max_entry_bytes:
+            raise DecodeError(f"entry of {size} bytes exceeds redis.max_entry_bytes={self.cfg.max_entry_bytes}")
+        return decode(fields)
 
     # The run's state hash.
 

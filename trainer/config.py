@@ -112,6 +112,11 @@ class TrainerConfig(Section):
     keep_weights: int = Field(3, ge=1)
     """Weight directories kept (a directory still served is never deleted)."""
 
+    lease_ttl_s: float = Field(10.0, gt=0)
+    """One trainer trains at a time: its rank 0 holds a lease it renews from a thread every third of this. A second
+    trainer waits as a standby and resumes from the newest checkpoint within this long of the first one dying (a
+    clean stop hands over at once)."""
+
     keep_batches: int = Field(8, ge=0)
     """Trained ``batches:{s}`` streams kept in Redis: the trainer deletes ``batches:{s}`` once it is this many
     steps old and a checkpoint covers it (a restarted trainer never reads it again), so Redis does not grow with

@@ -5,7 +5,8 @@ are there) and trains those with ``index % W == rank``. Rank 0 then writes the w
 (safetensors shards in ``output_dir/weights/step_{s}``, or a broadcast), publishes the
 ``weights`` event, then ``trained = s`` on ``policy``, the step's metrics, and checkpoints every
 ``ckpt.interval`` steps. A resumed trainer continues at ``s + 1`` and re-publishes the weights
-and ``trained`` of step ``s``. ``rlbus trainer @ cfg.toml [--nproc N]``.
+and ``trained`` of step ``s``. One trainer trains at a time; a second one waits as a standby
+(:mod:`trainer.tenure`). ``rlbus trainer @ cfg.toml [--nproc N]``.
 """
 
 import argparse
@@ -17,8 +18,8 @@ import uuid
 from bus.archive import write_step
 from bus.errors import ConfigError, RlbusError
 from bus.log import configure_logging, get_logger
-from bus.messages import Metric, MicroBatch, WeightUpdate
-from bus.policy import PolicyTracker, publish_trained
+from bus.messages import Metric, MicroBatch, PolicyVersion, WeightUpdate
+from bus.policy import PolicyTracker
 from bus.state import EVAL_HOLD_FIELD, RUN_EPOCH_FIELD
 from bus.weight_files import weights_root
 from workers.config import RlbusConfig
@@ -44,6 +45,7 @@ class TrainerWorker:
         self._step_batches: list[MicroBatch] = []
         """Every micro-batch of the step being trained (each rank trains its share)."""
         self.bus = None
+        self.tenure = None
         self.broadcaster = None
         self._stop = asyncio.Event()
 
@@ -59,6 +61,7 @@ class TrainerWorker:
         from trainer.losses import loss_fns
         from trainer.model import count_parameters, load_model, resolve_dtype
         from trainer.optim import build_optimizer, build_scheduler
+        from trainer.tenure import TrainerTenure
         from trainer.weights import HostCopy, remove_interrupted_saves
 
         torch.manual_seed(self.config.run.seed)
@@ -71,18 +74,23 @@ class TrainerWorker:
         self.scheduler = build_scheduler(self.optimizer, self.cfg, self.config.run.max_steps)
         self.loss_fns = loss_fns(self.cfg.loss)
         self.ckpt = Checkpointer(self.output_dir, self.config.ckpt, self.ctx)
-        if self.ctx.is_main:
-            for path in remove_interrupted_saves(weights_root(self.output_dir)) + remove_interrupted_saves(self.ckpt.root):
-                self.log.warning("interrupted_save_removed", path=str(path))
         self.host_copy = HostCopy()
         self.bus = await connect_bus(self.config, f"trainer-{self.ctx.rank}")
         self.tracker = PolicyTracker(self.bus)
+        self.tenure = TrainerTenure(self.bus, self.config, self.ctx)
+        self.log.info("trainer_standby", holder=self.tenure.holder, hint="waiting for the trainer lease")
+        if not await self.tenure.acquire(self._stop):
+            return
+        if self.ctx.is_main:
+            for path in remove_interrupted_saves(weights_root(self.output_dir)) + remove_interrupted_saves(self.ckpt.root):
+                self.log.warning("interrupted_save_removed", path=str(path))
         resume = self.ckpt.resolve(self.config.ckpt.resume_step)
         made_in = None
         if resume is not None:
             made_in = self.ckpt.load(resume, self.policy, self.optimizer, self.scheduler)
             self.step = resume
         self.run_epoch = await self._run_epoch(resume, made_in)
+        await self.tenure.claim(self.step)
         if self.ctx.is_main and self.cfg.weight_transport == "nccl":
             from trainer.broadcast import WeightBroadcaster
 
@@ -93,13 +101,12 @@ class TrainerWorker:
         if self.step > 0:
             await self.publish_weights(self.step, republish=True)
         elif self.ctx.is_main:
-
             await self.tracker.refresh()
             if self.tracker.trained > 0:
                 self.log.warning("trainer_fresh_start_after_training", trained=self.tracker.trained,
                                  fix="set ckpt.resume_step = -1 to continue from the latest checkpoint")
             else:
-                await publish_trained(self.bus, 0)
+                await self.tenure.publish([(self.bus.keys.policy(), PolicyVersion(role="trained", step=0))], step=0)
 
     async def _run_epoch(self, resume: int | None, made_in: str | None) -> str:
         """The run's epoch in Redis (written on the first start); a checkpoint from an epoch Redis does not hold
@@ -121,6 +128,7 @@ class TrainerWorker:
     async def run(self) -> None:
         max_steps = self.config.run.max_steps
         while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
+            self.tenure.check()
             step = self.step + 1
             start = time.perf_counter()
             batches = await self.read_batches(step)
@@ -190,15 +198,16 @@ class TrainerWorker:
         if bad:
             raise RlbusError(f"weights of step {step} hold NaN or inf ({bad[:3]}); not publishing them. The trainer "
                              f"restarts from its latest checkpoint; lower trainer.lr or check the rewards if it recurs")
+        trained = (self.bus.keys.policy(), PolicyVersion(role="trained", step=step))
         if self.broadcaster is not None:
             event = self.broadcaster.event(step, state)
-            await self.bus.publish(self.bus.keys.weights(), event)
+            await self.tenure.publish([(self.bus.keys.weights(), event)])
             await asyncio.to_thread(self.broadcaster.broadcast, event, state)
+            await self.tenure.publish([trained], step=step)
         else:
             event = await self._save_weights(step, state, republish)
-            await self.bus.publish(self.bus.keys.weights(), event)
+            await self.tenure.publish([(self.bus.keys.weights(), event), trained], step=step)
             await self._prune(step)
-        await publish_trained(self.bus, step)
         self.log.info("weights_published", step=step, format=event.format, dir=event.dir)
 
     async def _save_weights(self, step: int, state, republish: bool) -> WeightUpdate:
@@ -233,6 +242,8 @@ class TrainerWorker:
     async def close(self) -> None:
         from trainer.dist import close_distributed
 
+        if self.tenure is not None:
+            await self.tenure.close()
         if self.bus is not None:
             await self.bus.close()
         close_distributed()

@@ -50,6 +50,7 @@ def test_only_live_servers_count_toward_served(bus):
             assert tracker.served == 4 and tracker.live == {"stays"}
             assert tracker.served_by == {"gone": 1, "stays": 4}  # still reported, not counted
             await server_stopped(b, "stays")
+            await asyncio.sleep(0.15)  # the live set is re-read at most every server_ttl_s / 5 without new events
             await tracker.refresh()
             assert tracker.live == set() and tracker.served == 0
 

@@ -109,6 +109,29 @@ def test_any_bytes_go_to_dead_and_the_consumer_keeps_going(bus, fields, words):
     asyncio.run(main())
 
 
+def test_an_oversized_entry_goes_to_dead_cut_short_and_fanout_readers_skip_it(bus):
+    async def main():
+        async with bus("w1", max_entry_bytes=4096) as b:
+            stream = b.keys.tasks("e")
+            big = Task(task_id="e:0:0", env="e", example_index=0, example_id="x" * 10_000, group_size=2)
+            big_id = await b.publish(stream, big)
+            await b.publish(stream, task(1))
+            entries = await b.read_group([stream], GROUP, count=10)
+            assert [e.message.task_id for e in entries] == ["e:0:1"]
+            (_, letter), = await b.read_fanout(b.keys.dead())
+            assert letter.entry_id == big_id and "exceeds redis.max_entry_bytes=4096" in letter.reason
+            assert max(len(v) for v in letter.fields.values()) == 1024  # the dead letter keeps each field's first KiB
+            assert big_id not in {p["message_id"].decode()
+                                  for p in await b.redis.xpending_range(stream, GROUP, "-", "+", 10)}
+            await b.publish(b.keys.metrics(), Metric(source="x" * 5000, step=1, values={}))
+            await b.publish(b.keys.metrics(), Metric(source="small", step=2, values={}))
+            assert [m.source for _, m in await b.read_fanout(b.keys.metrics())] == ["small"]
+            await b.publish(b.keys.metrics(), Metric(source="y" * 5000, step=3, values={}))
+            assert (await b.last(b.keys.metrics()))[1].source == "small"
+
+    asyncio.run(main())
+
+
 def test_fanout_readers_skip_what_they_cannot_decode(bus):
     async def main():
         async with bus("w1") as b:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bus.archive import archived_steps
-from bus.errors import ConfigError
+from bus.errors import ConfigError, RlbusError
 from bus.keys import Keys
 from bus.messages import Metric, MicroBatch, PolicyVersion, WeightUpdate
 from bus.weight_files import verify_weights
@@ -189,3 +189,23 @@ def test_trained_and_checkpointed_batches_leave_redis_and_the_archive_keeps_them
     assert sum(copied.values()) == 4 * 2  # two micro-batches a step
     again = [MicroBatch.from_fields(f) for _, f in redis_client.xrange(Keys(run_name + "-again").batches(2))]
     assert sorted(mb.index for mb in again) == [0, 1] and all(mb.step == 2 for mb in again)
+
+
+def test_weights_that_hold_nan_are_never_published(tmp_path, redis_url, bus, run_name):
+    model_dir = save_tiny_model(tmp_path / "model")
+    worker = TrainerWorker(make_config(redis_url, run_name, tmp_path / "a", model_dir))
+
+    async def main():
+        await worker.setup()
+        try:
+            with torch.no_grad():
+                next(worker.policy.parameters())[0, 0] = float("nan")  # a step went wrong past the gradient check
+            with pytest.raises(RlbusError, match="weights of step 1 hold NaN or inf"):
+                await worker.publish_weights(1)
+        finally:
+            await worker.close()
+
+    asyncio.run(main())
+    assert asyncio.run(stream(bus, lambda k: k.weights())) == []
+    assert [p.step for p in asyncio.run(stream(bus, lambda k: k.policy()))] == [0]
+    assert not (tmp_path / "a" / "weights" / "step_1").exists()

@@ -154,7 +154,7 @@ def test_kill_9_of_each_role_still_reaches_max_steps(tmp_path, tiny_model_dir, r
     steps = 20
     proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--run.name", run_name, "--redis.url", redis_url,
                      "--redis.claim_idle_ms", "2000", "--ckpt.interval", "1", "--eval.env", "none",
-                     "--trainer.keep_batches", "0")  # every batches:{s} stays, to count its micro-batches
+                     "--trainer.keep_batches", "0", "--trainer.lease_ttl_s", "2")  # every batches:{s} stays
     kills = [(2, "rollout"), (4, "filter"), (6, "packer"), (8, "trainer"), (10, "inference"), (12, "env")]
     for at, role in kills:
         wait_step(proc, out, at, timeout_s=180)
@@ -296,7 +296,8 @@ def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_bala
     steps = 40
     proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--redis.claim_idle_ms", "2000",
                      "--ckpt.interval", "1", "--eval.env", "none", "--rollout.workers", "2",
-                     "--trainer.keep_batches", "0", "--packer.lease_ttl_s", "2")
+                     "--trainer.keep_batches", "0", "--packer.lease_ttl_s", "2",
+                     "--trainer.lease_ttl_s", "2")
     wait_step(proc, out, 2, timeout_s=180)
     url = re.search(r'^url = "(.*)"', (out / "config.resolved.toml").read_text(), flags=re.M).group(1)
     client, keys = redis.Redis.from_url(url), Keys("default")

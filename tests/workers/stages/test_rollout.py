@@ -126,13 +126,16 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 def test_multi_turn_groups_and_a_failing_task(stack):
     """guess_number episodes: env tokens masked, logprobs those of the served model; a task that keeps
-    failing is dead-lettered after max_retries with its error, and the worker carries on."""
+    failing is dead-lettered after max_retries with its error, a task naming an env this worker does not serve
+    is dead-lettered at once, both give their samples back, and the worker carries on."""
     # 128 tokens: the random model ends ~60% of its turns with an eos, so some of the 12 episodes surely go on.
     env = {"id": "guess_number", "name": f"gn{uuid.uuid4().hex[:4]}", "group_size": 4, "max_turns": 3,
            "max_retries": 2, "args": {"num_examples": 10}, "sampling": {"max_completion_tokens": 128}}
     config = load_config([stack.config([env])], [])
     name = env["name"]
     stack.publish([_task(name, 10_000, 4)] + [_task(name, i, 4) for i in (1, 2, 3)], inflight=16)
+    stack.redis.xadd(stack.keys.tasks(name), _task("elsewhere", 7, 2).to_fields())
+    stack.redis.hincrby(stack.keys.state(), INFLIGHT_FIELD, 2)
 
     async def main():
         worker = RolloutWorker(config, worker="r-inproc")
@@ -146,11 +149,12 @@ def test_multi_turn_groups_and_a_failing_task(stack):
         await worker.close()
 
     asyncio.run(main())
-    dead = stack.dead()
-    assert len(dead) == 1 and dead[0].stream == stack.keys.tasks(name)
-    assert "IndexError" in dead[0].reason and "after 3 attempts" in dead[0].reason
-    assert Task.from_fields(dead[0].fields).example_index == 10_000
-    assert int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == 12  # the dead task's 4 samples released
+    unserved, failing = sorted(stack.dead(), key=lambda d: "IndexError" in d.reason)
+    assert "'elsewhere', which is not configured here" in unserved.reason
+    assert failing.stream == stack.keys.tasks(name)
+    assert "IndexError" in failing.reason and "after 3 attempts" in failing.reason
+    assert Task.from_fields(failing.fields).example_index == 10_000
+    assert int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == 12  # both dead tasks' 4 + 2 samples released
     assert stack.redis.xpending(stack.keys.tasks(name), GROUP_ROLLOUT)["pending"] == 0
 
     groups = stack.groups(name)
