@@ -1,19 +1,30 @@
-"""The run's configuration: one TOML file, one pydantic model per section.
+"""The run's configuration: one TOML file, one pydantic model per section (the env and batching sections live in
+:mod:`workers.env_config` and :mod:`workers.batch_config`).
 
 Every worker loads the whole file and reads the sections it needs. Unknown keys are errors;
-validators check and explain, never rewrite other sections; derived values come from the
-methods at the bottom of :class:`RlbusConfig`.
+validators check and explain; one, ``RlbusConfig._resolve``, writes what envs inherit (and what
+``bench`` implies) into them, as prime-rl's do; other derived values come from the methods at the
+bottom of :class:`RlbusConfig`.
 """
 
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
 from bus.config import LogConfig, RedisConfig, Section
 from bus.messages import Mode
 from trainer.config import CkptConfig, TrainerConfig
+from workers.batch_config import FeederConfig, FilterConfig, PackerConfig
+from workers.env_config import (
+    EnvConfig,
+    EvalConfig,
+    EvalEnvConfig,
+    EvalSamplingConfig,
+    SamplingConfig,
+    inherit,
+)
 
 
 class RunConfig(Section):
@@ -52,137 +63,6 @@ class TeacherConfig(Section):
     """OpenAI-compatible servers hosting the teacher; empty: ``rlbus run`` starts one."""
 
 
-class SamplingConfig(Section):
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature (the trainer divides logits by it)."""
-
-    max_completion_tokens: int | None = Field(
-        128, ge=1, validation_alias=AliasChoices("max_completion_tokens", "max_tokens")
-    )
-    """Maximum tokens per model turn. None: until EOS or the context limit."""
-
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling threshold (1.0 = off). Training should keep it off: logprobs are of the full distribution."""
-
-    top_k: int = Field(-1, ge=-1)
-    """Top-k sampling; -1 = off."""
-
-    min_p: float = Field(0.0, ge=0, le=1)
-    """Min-p sampling threshold; 0 = off."""
-
-    stop: list[str] = Field(default_factory=list)
-    """Stop strings ending a model turn."""
-
-    extra_body: dict[str, Any] = Field(default_factory=dict)
-    """Extra fields sent with every completion request."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _deprecate_max_tokens(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "max_tokens" in data and "max_completion_tokens" not in data:
-            warnings.warn("'max_tokens' is deprecated, use 'max_completion_tokens'", FutureWarning, stacklevel=2)
-        return data
-
-
-class EvalSamplingConfig(SamplingConfig):
-    temperature: float = Field(0.0, ge=0)
-    """Eval sampling temperature (0 = greedy)."""
-
-
-class EnvConfig(Section):
-    id: str
-    """Built-in env name (``reverse_text``, ``echo_chars``, ``guess_number``) or import path ``package.module:factory``."""
-
-    name: str | None = None
-    """Display name in keys, logs and metrics; defaults to the id. Unique per run; ``all`` is reserved."""
-
-    args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for the env factory."""
-
-    ratio: float | None = Field(None, gt=0)
-    """Relative sampling weight; set on all train envs or on none (uniform over examples)."""
-
-    group_size: int = Field(8, ge=1, validation_alias=AliasChoices("group_size", "rollouts_per_example"))
-    """Completions sampled per example (the GRPO group)."""
-
-    mode: Mode = "rl"
-    """Training mode of this env's samples: rl, opd (needs [teacher]) or sft (needs [teacher])."""
-
-    address: str | None = None
-    """ZeroMQ address of an external env server (``tcp://host:5555``); None: the rollout worker spawns one."""
-
-    max_retries: int = Field(3, ge=0)
-    """Times a failed rollout of this env is retried before it is dead-lettered."""
-
-    max_turns: int = Field(8, ge=1)
-    """Model turns per episode in multi-turn envs."""
-
-    sampling: SamplingConfig | None = None
-    """Per-env sampling; None uses [sampling]."""
-
-    @property
-    def resolved_name(self) -> str:
-        return self.name or self.id.rsplit(":", 1)[-1]
-
-    @model_validator(mode="after")
-    def _check_name(self) -> "EnvConfig":
-        if self.resolved_name == "all":
-            raise ValueError('env name "all" is reserved for aggregate metrics; set name = "..." to something else')
-        if any(c in self.resolved_name for c in "{}: *?[]"):
-            raise ValueError(f"env name {self.resolved_name!r} cannot be used in a Redis key; set name = ...")
-        return self
-
-
-class EvalEnvConfig(EnvConfig):
-    num_examples: int = -1
-    """Examples to evaluate; -1 = all."""
-
-    interval: int | None = Field(None, ge=1)
-    """Evaluate every this many steps; None uses [eval].interval."""
-
-    group_size: int = Field(1, ge=1, validation_alias=AliasChoices("group_size", "rollouts_per_example"))
-    """Samples per example; pass@k for binary rewards uses k ≤ group_size."""
-
-    sampling: EvalSamplingConfig | None = None
-    """Per-env eval sampling; None uses [eval.sampling]."""
-
-
-class EvalConfig(Section):
-    env: list[EvalEnvConfig] = Field(default_factory=list)
-    """Eval environments (``[[eval.env]]``); empty = no eval."""
-
-    interval: int = Field(10, ge=1)
-    """Default steps between evals."""
-
-    sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
-    """Eval sampling, separate from training sampling."""
-
-    skip_first_step: bool = False
-    """Skip the eval of the initial policy (step 0)."""
-
-    timeout_s: float | None = Field(600.0, gt=0)
-    """An eval not complete this many seconds after it was issued finishes with the groups it has
-    (``eval/{env}/groups_missing`` counts the rest, ``eval/{env}/timed_out`` = 1), so a lost eval task never pins
-    ``eval:hold`` and the run; None = wait forever. Dead-lettered eval tasks count as done (missing) at once."""
-
-
-class FeederConfig(Section):
-    max_inflight_rollouts: int | None = Field(None, ge=1)
-    """Rollouts (samples) issued by the feeder and not yet consumed by the packer (queued tasks, running groups,
-    groups waiting in rollouts:/filtered: streams and held by the packer), across the run; None =
-    batch_size × oversampling_factor + (largest group_size − 1), so a full batch can always form. When the cap is
-    reached and every in-flight sample is held by the packer, it packs a smaller step rather than wait."""
-
-    oversampling_factor: float | None = Field(None, gt=0)
-    """With batch_size: max_inflight_rollouts = batch_size × this + (largest group_size − 1) (default 1.0)."""
-
-    shuffle: bool = True
-    """Shuffle each epoch's example order (seeded by run.seed and the epoch)."""
-
-    max_epochs: int | None = Field(None, ge=1)
-    """Stop issuing after this many passes over the data; None = forever."""
-
-
 class RolloutConfig(Section):
     workers: int = Field(1, ge=1)
     """Rollout worker processes ``rlbus run`` starts."""
@@ -198,117 +78,6 @@ class RolloutConfig(Section):
 
     retry_delay_s: float = Field(1.0, ge=0)
     """Delay before a failed rollout is retried."""
-
-
-class FilterSpec(Section):
-    enforce: bool = False
-    """True: drop flagged samples; False: annotate and count only."""
-
-
-class GibberishFilterConfig(FilterSpec):
-    type: Literal["gibberish"] = "gibberish"
-    token_id_threshold: int = 100_000
-    """Token ids above this are candidates (BPE ids are sorted by merge order)."""
-    logprob_offset: float = 2.0
-    """Flag when logprob < -ln(vocab_size) - logprob_offset."""
-
-
-class RepetitionFilterConfig(FilterSpec):
-    type: Literal["repetition"] = "repetition"
-    window: int = Field(3_000, ge=1)
-    """Consecutive high-probability tokens that flag a sample."""
-    prob_threshold: float = Field(0.99, gt=0, le=1)
-    """A token sampled with probability above this counts toward the window."""
-
-
-class ZeroAdvantageFilterConfig(FilterSpec):
-    type: Literal["zero_advantage"] = "zero_advantage"
-
-
-SampleFilterConfig = Annotated[
-    GibberishFilterConfig | RepetitionFilterConfig | ZeroAdvantageFilterConfig, Field(discriminator="type")
-]
-
-
-def _unique_filter_types(filters: list[Any], slot: str) -> None:
-    types = [f.type for f in filters]
-    if len(types) != len(set(types)):
-        raise ValueError(f"duplicate filter types in {slot}: {types}; each type may appear once per slot")
-
-
-class AdvantageConfig(Section):
-    std_normalize: bool = False
-    """Divide the centred rewards by the group's std (Dr. GRPO leaves this off)."""
-
-    length_penalty: float = Field(0.0, ge=0)
-    """Subtracted per completion token (× tokens / max_completion_tokens) from the reward before centring."""
-
-
-class FilterConfig(Section):
-    workers: int = Field(1, ge=1)
-    """Filter worker processes ``rlbus run`` starts."""
-
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    """How rewards become advantages."""
-
-    pre_batch_filters: list[SampleFilterConfig] = Field(
-        default_factory=lambda: [
-            GibberishFilterConfig(enforce=False),
-            RepetitionFilterConfig(enforce=False),
-            ZeroAdvantageFilterConfig(enforce=False),
-        ]
-    )
-    """Filters applied by the filter worker, before a sample takes a batch slot."""
-
-    @model_validator(mode="after")
-    def _unique(self) -> "FilterConfig":
-        _unique_filter_types(self.pre_batch_filters, "filter.pre_batch_filters")
-        return self
-
-
-class PackerConfig(Section):
-    lease_ttl_s: float = Field(5.0, gt=0)
-    """One packer builds steps at a time: it holds a lease it renews every third of this. Another packer waits
-    as a standby and takes over, with the first one's pending groups, within this long of the first one dying."""
-
-    batch_size: int | None = Field(None, ge=1)
-    """Samples per step; set this or token_batch_size (neither: 128)."""
-
-    token_batch_size: int | None = Field(None, ge=1)
-    """Tokens per step (overflow carries into the next step); needs feeder.max_inflight_rollouts."""
-
-    seq_len: int = Field(2048, ge=8)
-    """Micro-batch capacity in tokens; longer samples are truncated (and counted)."""
-
-    max_off_policy_steps: int = Field(8, ge=1)
-    """Policy versions a step may lag behind: step s trains only on groups started at version ≥ s − this, and a
-    rollout starts only while served ≥ (trained + 1 + prefetch_steps) − this. Must exceed prefetch_steps;
-    prefetch_steps + 1 is as on-policy as prefetching allows (1 with no prefetch: step s uses policy s − 1
-    only); higher values trade off-policy noise for throughput."""
-
-    prefetch_steps: int = Field(1, ge=0)
-    """Build step s only once s ≤ trained + 1 + prefetch_steps (the trainer never waits on packing)."""
-
-    collapse_after: int | None = Field(None, ge=1)
-    """Stop the run after this many consecutive zero-variance groups; None = 100 × the smallest batch in groups."""
-
-    post_batch_filters: list[SampleFilterConfig] = Field(
-        default_factory=lambda: [GibberishFilterConfig(), RepetitionFilterConfig(), ZeroAdvantageFilterConfig()]
-    )
-    """Filters applied by the packer to an assembled batch."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "PackerConfig":
-        if self.batch_size is not None and self.token_batch_size is not None:
-            raise ValueError("set exactly one of packer.batch_size or packer.token_batch_size, not both")
-        _unique_filter_types(self.post_batch_filters, "packer.post_batch_filters")
-        if self.max_off_policy_steps <= self.prefetch_steps:
-            raise ValueError(
-                f"packer.max_off_policy_steps={self.max_off_policy_steps} must exceed packer.prefetch_steps="
-                f"{self.prefetch_steps}: step trained + 1 + {self.prefetch_steps} is built from groups of policy ≤ trained,"
-                f" so every group would be dropped as stale; raise max_off_policy_steps or lower prefetch_steps"
-            )
-        return self
 
 
 class InferenceConfig(Section):
@@ -366,8 +135,28 @@ class WandbConfig(Section):
     """offline writes locally (``wandb sync`` later)."""
 
 
+BENCH_STEPS = 4
+"""Steps of a ``bench = true`` run (prime-rl's: one warm-up step and three measured ones)."""
+
+_ALIASES = {"student": "model", "teacher_model": "teacher"}
+"""Section names of prime-rl's training-modes change, read as rlbus's own (with a deprecation warning)."""
+
+
 class RlbusConfig(Section):
     """The whole run configuration (one TOML file)."""
+
+    group_size: int = Field(8, ge=1, validation_alias=AliasChoices("group_size", "rollouts_per_example"))
+    """Default completions per example of every [[env]] that sets none (prime-rl's ``rollouts_per_example``)."""
+
+    max_retries: int = Field(3, ge=0)
+    """Default retries of a failed rollout for every [[env]] that sets none."""
+
+    training_mode: Mode = "rl"
+    """Default ``mode`` of every [[env]] that sets none: rl, opd or sft."""
+
+    bench: bool = False
+    """Benchmark mode (prime-rl's): run 4 steps (one warm-up, three measured), no eval, no W&B, then print step
+    time, tokens/s and trainer idle time."""
 
     run: RunConfig = Field(default_factory=RunConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
@@ -385,6 +174,37 @@ class RlbusConfig(Section):
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     wandb: WandbConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for alias, name in _ALIASES.items():
+            if alias in data:
+                if name in data:
+                    raise ValueError(f"[{alias}] and [{name}] are the same section; keep [{name}] only")
+                warnings.warn(f"[{alias}] is deprecated in rlbus, use [{name}] (read as [{name}] for now)",
+                              FutureWarning, stacklevel=2)
+                data = {(name if k == alias else k): v for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "RlbusConfig":
+        """Per-env inheritance (group_size, max_retries, mode, sampling and advantage, field by field) and bench
+        mode, resolved once so that every worker and ``config.resolved.toml`` see the effective values."""
+        for env in self.env:
+            for field, value in (("group_size", self.group_size), ("max_retries", self.max_retries),
+                                 ("mode", self.training_mode)):
+                if field not in env.model_fields_set:
+                    setattr(env, field, value)
+            env.sampling = inherit(self.sampling, env.sampling)
+            env.advantage = inherit(self.filter.advantage, env.advantage)
+        if self.bench:
+            self.run.max_steps = BENCH_STEPS
+            self.eval.env = []
+            self.wandb = None
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> "RlbusConfig":
@@ -406,6 +226,14 @@ class RlbusConfig(Section):
                         f"packer.batch_size={batch} is not divisible by group_size={env.group_size} of env "
                         f"{env.resolved_name!r}; make batch_size a multiple of every group_size"
                     )
+        factor, cap = self.feeder.oversampling_factor, self.feeder.max_inflight_rollouts
+        if batch is not None and factor is not None and cap is not None:
+            largest = max((e.group_size for e in self.env), default=1)
+            if cap != max(largest, int(batch * factor)):
+                raise ValueError(
+                    f"feeder.max_inflight_rollouts={cap} conflicts with feeder.oversampling_factor={factor} × "
+                    f"packer.batch_size={batch} (= {max(largest, int(batch * factor))}); set one of the two"
+                )
         if self.packer.token_batch_size is not None:
             if self.feeder.max_inflight_rollouts is None:
                 raise ValueError("packer.token_batch_size needs feeder.max_inflight_rollouts; set it")
@@ -443,16 +271,16 @@ class RlbusConfig(Section):
         return cfg.base_urls or [f"http://{cfg.host}:{cfg.port + i}/v1" for i in range(cfg.servers)]
 
     def env_sampling(self, env: EnvConfig) -> SamplingConfig:
-        """Sampling of one env: its own section, else [sampling]."""
-        return env.sampling if env.sampling is not None else self.sampling
+        """Sampling of one train env (its own fields over [sampling], resolved at validation)."""
+        return env.sampling
 
     def eval_sampling(self, env: EvalEnvConfig) -> EvalSamplingConfig:
-        """Eval sampling of one eval env: its own section, else [eval.sampling]."""
-        return env.sampling if env.sampling is not None else self.eval.sampling
+        """Eval sampling of one eval env (its own fields over [eval.sampling], resolved at validation)."""
+        return env.sampling
 
     def eval_interval(self, env: EvalEnvConfig) -> int:
-        """Steps between evals of one eval env."""
-        return env.interval if env.interval is not None else self.eval.interval
+        """Steps between evals of one eval env (its own, else [eval].interval)."""
+        return env.interval
 
     def collapse_after(self) -> int:
         """Consecutive zero-variance groups that stop the run (ART's 100 × minimum batch, in groups)."""

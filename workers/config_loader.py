@@ -1,7 +1,8 @@
 """Loading a run's config: ``@ a.toml @ b.toml --section.key value`` → :class:`RlbusConfig`.
 
 - Files deep-merge in order (later files win; tables merge key by key, arrays are replaced).
-- ``--section.key value`` overrides a key; the value is read as a TOML literal (``4``, ``true``,
+- ``--section.key value`` overrides a key (a top-level key: ``--group-size 4``); the value is read as a TOML
+  literal (``4``, ``true``,
   ``[0.9, 0.95]``, ``"text"``), else taken as a string; ``none``/``null`` unset a key. A flag
   without a value (``--log.json``) means ``true``. Arrays of tables are addressed by index:
   ``--env.0.group_size 4`` (index = current length appends a new table).
@@ -186,8 +187,9 @@ def split_argv(argv: list[str]) -> tuple[list[Path], list[tuple[str, str]], list
             files.append(Path(token[1:]))
         elif token == "--dry-run":
             dry_run = True
-        elif token.startswith("--") and "." in token.split("=", 1)[0]:
+        elif token.startswith("--") and _is_config_key(token[2:].split("=", 1)[0]):
             key, eq, value = token[2:].partition("=")
+            key = key if "." in key else key.replace("-", "_")
             if not eq:
                 has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] != "@"
                 value = argv[i + 1] if has_value else "true"
@@ -197,6 +199,20 @@ def split_argv(argv: list[str]) -> tuple[list[Path], list[tuple[str, str]], list
             role_args.append(token)
         i += 1
     return files, overrides, role_args, dry_run
+
+
+def _top_level_keys() -> set[str]:
+    """The keys of RlbusConfig that are values, not sections (``group_size``, ``bench``…), with their aliases."""
+    keys = set()
+    for name, field in RlbusConfig.model_fields.items():
+        if not _models(field.annotation):
+            keys.add(name)
+            keys.update(getattr(field.validation_alias, "choices", ()))
+    return keys
+
+
+def _is_config_key(flag: str) -> bool:
+    return "." in flag or flag.replace("-", "_") in _top_level_keys()
 
 
 def dump_json(config: RlbusConfig) -> str:

@@ -84,9 +84,6 @@ def test_bad_values_name_the_field_and_the_fix(tmp_path):
         load_config([], [("redis.maxlen", "0")])
     with pytest.raises(ConfigError, match="not divisible by group_size=3"):
         load_config([], [("env.0.id", "reverse_text"), ("env.0.group_size", "3"), ("packer.batch_size", "8")])
-    with pytest.raises(ConfigError, match="max_off_policy_steps=1 must exceed packer.prefetch_steps=1"):
-        load_config([], [("packer.max_off_policy_steps", "1")])
-    assert load_config([], [("packer.max_off_policy_steps", "1"), ("packer.prefetch_steps", "0")])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config([tmp_path / "missing.toml"])
     with pytest.raises(ConfigError, match="not valid TOML"):

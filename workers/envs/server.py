@@ -27,7 +27,8 @@ from typing import Any
 from bus.errors import ConfigError, RpcError
 from bus.log import get_logger
 from bus.rpc import RpcClient, RpcServer
-from workers.config import EnvConfig, RlbusConfig
+from workers.config import RlbusConfig
+from workers.env_config import EnvConfig
 from workers.envs.base import Environment
 from workers.envs.registry import load_env
 from workers.lifecycle import die_with_parent, run_worker

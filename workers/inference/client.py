@@ -81,16 +81,19 @@ class InferenceClient:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    async def completions(self, prompt_token_ids: list[int], *, n: int = 1, temperature: float = 1.0,
-                          top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, max_tokens: int | None = None,
-                          stop: list[str] | None = None, seed: int | None = None, logprobs: bool = True,
-                          prompt_logprobs: bool = False, server_index: int | None = None,
+    async def completions(self, prompt_token_ids: list[int], *, n: int = 1, temperature: float | None = None,
+                          top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                          max_tokens: int | None = None, stop: list[str] | None = None, seed: int | None = None,
+                          logprobs: bool = True, prompt_logprobs: bool = False, server_index: int | None = None,
+                          reasoning_effort: str | None = None,
                           extra_body: dict[str, Any] | None = None) -> CompletionResult:
-        """Sample ``n`` completions of a token-id prompt; token ids and logprobs come back per choice."""
+        """Sample ``n`` completions of a token-id prompt; token ids and logprobs come back per choice. A sampling
+        knob left None is not sent (the server's default applies)."""
         index = self.pick_server() if server_index is None else server_index
         body: dict[str, Any] = {
             "model": await self._model_name(index), "prompt": list(prompt_token_ids), "n": n,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+            "reasoning_effort": reasoning_effort,
             "max_tokens": max_tokens, "stop": stop or None, "seed": seed, "return_token_ids": True,
             "logprobs": 0 if logprobs else None, "prompt_logprobs": 0 if prompt_logprobs else None,
             **(extra_body or {}),

@@ -29,7 +29,8 @@ from bus.policy import PolicyTracker
 from bus.resp import as_str
 from bus.state import EVAL_HOLD_FIELD, eval_done_field, eval_issued_field
 from bus.streams import Bus
-from workers.config import EvalEnvConfig, RlbusConfig
+from workers.config import RlbusConfig
+from workers.env_config import EvalEnvConfig
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

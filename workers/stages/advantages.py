@@ -8,7 +8,7 @@ sample has no baseline, so its advantage is 0.
 import numpy as np
 
 from bus.messages import Sample
-from workers.config import AdvantageConfig
+from workers.batch_config import AdvantageConfig
 
 STD_EPS = 1e-6
 """Added to the group std before dividing, so near-constant groups do not blow up."""

@@ -22,7 +22,9 @@ import numpy as np
 
 from bus.errors import RlbusError
 from bus.messages import Sample, Task
-from workers.config import SamplingConfig
+from workers.env_config import EvalSamplingConfig, SamplingConfig
+
+Sampling = SamplingConfig | EvalSamplingConfig
 
 END_OF_TURN = "<|im_end|>"
 """ChatML's end-of-turn token; tokenizers without it use their eos token."""
@@ -161,8 +163,11 @@ class GroupRunner:
         self.max_model_len = max_model_len
         self.fallback_version = fallback_version
 
-    async def run(self, task: Task, env: Any, sampling: SamplingConfig, max_turns: int) -> tuple[list[Sample], dict]:
-        """The group's samples and its timings (``generate_s``, ``env_s``, ``score_s``, ``teacher_s``)."""
+    async def run(self, task: Task, env: Any, sampling: Sampling, max_turns: int,
+                  max_total_tokens: int | None = None) -> tuple[list[Sample], dict]:
+        """The group's samples and its timings (``generate_s``, ``env_s``, ``score_s``, ``teacher_s``); an episode
+        ends truncated once its model turns spent ``max_total_tokens`` (None: no budget over turns)."""
+        self.max_total_tokens = max_total_tokens
         timer = Timer()
         initial = await timer.time("env_s", env.initial(index=task.example_index))
         prompt_ids = self.chat.prompt(initial["messages"])
@@ -177,14 +182,18 @@ class GroupRunner:
         await asyncio.gather(*(self._score(ep, task, env, timer) for ep in episodes))
         if task.mode == "opd":
             await asyncio.gather(*(self._teacher_logprobs(ep, timer) for ep in episodes))
-        return [ep.to_sample(sampling.temperature) for ep in episodes], timer.totals
+        temperature = 1.0 if sampling.temperature is None else sampling.temperature  # None: the server's default
+        return [ep.to_sample(temperature) for ep in episodes], timer.totals
 
-    def _budget(self, length: int, sampling: SamplingConfig) -> int:
+    def _budget(self, length: int, sampling: Sampling, spent: int = 0) -> int:
+        """Tokens the next model turn may take: the context left, the per-turn cap, the episode's budget left."""
         left = self.max_model_len - length
+        if self.max_total_tokens is not None:
+            left = min(left, self.max_total_tokens - spent)
         return left if sampling.max_completion_tokens is None else min(left, sampling.max_completion_tokens)
 
-    async def _sample(self, ids: list[int], n: int, sampling: SamplingConfig, server: int):
-        budget = self._budget(len(ids), sampling)
+    async def _sample(self, ids: list[int], n: int, sampling: Sampling, server: int, spent: int = 0):
+        budget = self._budget(len(ids), sampling, spent)
         if budget < 1:
             raise RolloutError(
                 f"prompt of {len(ids)} tokens leaves no room under inference.max_model_len={self.max_model_len}; "
@@ -193,7 +202,8 @@ class GroupRunner:
         return await self.client.completions(
             ids, n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             min_p=sampling.min_p, max_tokens=budget, stop=sampling.stop or None, seed=None, logprobs=True,
-            server_index=server, extra_body=sampling.extra_body or None,
+            server_index=server, reasoning_effort=getattr(sampling, "reasoning_effort", None),
+            extra_body=sampling.extra_body or None,
         )
 
     def _versions(self, result: Any, task: Task) -> tuple[int, int]:
@@ -212,7 +222,7 @@ class GroupRunner:
         ep.truncated = choice.finish_reason == "length"
         ep.messages.append({"role": "assistant", "content": self.chat.decode(ids)})
 
-    async def _play(self, ep: Episode, task: Task, env: Any, sampling: SamplingConfig, max_turns: int,
+    async def _play(self, ep: Episode, task: Task, env: Any, sampling: Sampling, max_turns: int,
                     server: int, timer: Timer) -> None:
         """Env step after every model turn; the next model turn until done, truncated or max_turns."""
         while True:
@@ -222,12 +232,13 @@ class GroupRunner:
                 return
             ended = bool(ep.completion_ids) and ep.completion_ids[-1] == self.chat.end_id
             env_ids = self.chat.continuation(ep.messages, reply["messages"], ended)
-            if self._budget(len(ep.tokens) + len(env_ids), sampling) < 1:
-                ep.truncated = True  # no room for another model turn: end before the env reply
+            spent = sum(ep.mask)
+            if self._budget(len(ep.tokens) + len(env_ids), sampling, spent) < 1:
+                ep.truncated = True  # no room (context or token budget) for another model turn: end here
                 return
             ep.add_env_turn(env_ids)
             ep.messages += reply["messages"]
-            result = await timer.time("generate_s", self._sample(ep.tokens, 1, sampling, server))
+            result = await timer.time("generate_s", self._sample(ep.tokens, 1, sampling, server, spent))
             self._add_turn(ep, result.choices[0], self._versions(result, task))
 
     async def _score(self, ep: Episode, task: Task, env: Any, timer: Timer) -> None:

@@ -56,6 +56,8 @@ class FilterWorker:
         self.worker = consumer_name("filter", worker)
         self.vocab_size = vocab_size
         self.collapse_after = config.collapse_after()
+        self.advantages = {e.resolved_name: e.advantage for e in config.env}
+        """Each env's advantage settings ([filter.advantage] under the env's own fields)."""
         self.max_completion_tokens = {
             e.resolved_name: config.env_sampling(e).max_completion_tokens for e in config.env
         }
@@ -176,7 +178,8 @@ class FilterWorker:
         """Advantages (rl groups) then the pre-batch filters; returns the kept samples and the counts."""
         if group.mode == "rl":
             max_tokens = self.max_completion_tokens.get(group.env)
-            assign_advantages(group.samples, self.config.filter.advantage, max_tokens)
+            advantage = self.advantages.get(group.env, self.config.filter.advantage)
+            assign_advantages(group.samples, advantage, max_tokens)
         filters = active_filters(self.config.filter.pre_batch_filters, group.mode)
         return apply_filters(group.samples, filters, self.vocab_size)
 

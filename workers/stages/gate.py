@@ -1,12 +1,13 @@
 """The staleness gate: a rollout starts only while the served policy is recent enough.
 
 Admission (ART's ``_wait_for_policy``, prime-rl's ``max_off_policy_steps``): with
-``next_step = trained + 1 + prefetch_steps`` (the step the packer builds next: it runs up to
-``prefetch_steps`` ahead of the trainer), a training group may start while
-``served ≥ next_step − max_off_policy_steps``. ``served`` is the oldest version any inference
-server serves, so a group started now is still fresh enough for the step it will be packed into.
-The packer re-checks when it builds a step (the guarantee: it drops groups older than
-``s − max_off_policy_steps``); the gate only keeps rollouts from running ahead (admission).
+``next_step = trained + 1 + prefetch`` (the step the packer builds next: it runs up to
+``prefetch`` steps ahead of the trainer), a training group may start while
+``served ≥ next_step − 1 − max_off_policy_steps``: step ``s`` trains policy ``s − 1`` and keeps
+groups at most ``max_off_policy_steps`` versions behind it. ``served`` is the oldest version any
+inference server serves, so a group started now is still fresh enough for the step it will be
+packed into. The packer re-checks when it builds a step (the guarantee: it drops groups older
+than ``s − 1 − max_off_policy_steps``); the gate only keeps rollouts from running ahead.
 
 Eval tasks carry ``eval_step``: they wait until every server serves at least that version and
 are never held back as stale, however far training has moved on.
@@ -24,7 +25,7 @@ def admits(served: int, trained: int, max_off_policy_steps: int, prefetch_steps:
     if eval_step is not None:
         return served >= eval_step
     next_step = trained + 1 + prefetch_steps
-    return served >= next_step - max_off_policy_steps
+    return served >= next_step - 1 - max_off_policy_steps
 
 
 class StalenessGate:

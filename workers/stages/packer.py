@@ -1,9 +1,9 @@
 """The packer worker: ``filtered:*`` → the micro-batches of step ``s`` in ``batches:{s}``.
 
 Steps are built in order, ``s = packer:last_step + 1``, and only once ``s ≤ trained + 1 +
-prefetch_steps``. A step takes whole groups: ``batch_size`` samples, or up to
+prefetch`` (``prefetch_steps`` capped at ``max_off_policy_steps``). A step takes whole groups: ``batch_size`` samples, or up to
 ``token_batch_size`` tokens (the group that would overflow waits for the next step). Groups
-whose start policy version is older than ``s − max_off_policy_steps`` are dropped as stale at
+whose start policy version is older than ``s − 1 − max_off_policy_steps`` are dropped as stale at
 once (ack, a ``packer/stale_groups`` metric for step ``s`` and the in-flight release, one commit).
 The post-batch filters run on the assembled batch, then :func:`workers.stages.packing.pack_step`.
 
@@ -214,8 +214,8 @@ class PackerWorker:
     # Assembling.
 
     def _drop_stale(self, step: int) -> None:
-        """Move groups whose start version is older than ``step − max_off_policy_steps`` to the stale list."""
-        oldest = step - self.cfg.max_off_policy_steps
+        """Move groups more than ``max_off_policy_steps`` versions behind policy ``step − 1`` to the stale list."""
+        oldest = step - 1 - self.cfg.max_off_policy_steps
         fresh = []
         for held in self.held:
             (fresh if held.group.policy_version >= oldest else self.stale).append(held)
@@ -298,8 +298,8 @@ class PackerWorker:
         return taken
 
     async def _allowed(self, step: int) -> bool:
-        """Wait (up to block_ms) until ``step ≤ trained + 1 + prefetch_steps``."""
-        limit = 1 + self.cfg.prefetch_steps
+        """Wait (up to block_ms) until ``step ≤ trained + 1 + prefetch``."""
+        limit = 1 + self.cfg.prefetch
         try:
             await self.tracker.wait(
                 lambda t: step <= t.trained + limit, timeout_s=self.config.redis.block_ms / 1000

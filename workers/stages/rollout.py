@@ -30,7 +30,8 @@ from bus.messages import Metric, RolloutGroup, Task
 from bus.policy import PolicyTracker
 from bus.state import release_inflight
 from bus.streams import Bus, Entry
-from workers.config import EnvConfig, EvalEnvConfig, RlbusConfig, SamplingConfig
+from workers.config import RlbusConfig
+from workers.env_config import EnvConfig, EvalEnvConfig, SamplingConfig
 from workers.envs.server import EnvHandle
 from workers.inference.client import InferenceClient
 from workers.lifecycle import connect_bus, consumer_name, run_worker
@@ -85,7 +86,7 @@ class RolloutWorker:
         if any(e.mode in ("opd", "sft") for e in self.envs.values()):
             teacher = self._client(InferenceClient, cfg.teacher.base_urls, "teacher.base_urls")
         tracker = PolicyTracker(self.bus)
-        self.gate = StalenessGate(tracker, cfg.packer.max_off_policy_steps, cfg.packer.prefetch_steps,
+        self.gate = StalenessGate(tracker, cfg.packer.max_off_policy_steps, cfg.packer.prefetch,
                                   cfg.redis.block_ms)
         served = lambda: tracker.served  # noqa: E731
         self.runner = GroupRunner(chat, client, teacher, cfg.inference.max_model_len, fallback_version=served)
@@ -191,13 +192,17 @@ class RolloutWorker:
                 await self._hand_back(entry, task)
                 log.info("task_handed_back", reason="stopping while the staleness gate is closed")
                 return
+            limit = asyncio.timeout(env.rollout_timeout_s)
             try:
                 runner = self.sft_runner if task.mode == "sft" else self.runner
-                samples, timings = await runner.run(task, self.handles[task.env], self._sampling(env),
-                                                    env.max_turns)
+                async with limit:
+                    samples, timings = await runner.run(task, self.handles[task.env], self._sampling(env),
+                                                        env.max_turns, env.max_total_completion_tokens)
                 break
             except Exception as e:  # the one boundary: retry, then dead-letter
                 error = f"{type(e).__name__}: {e}"
+                if limit.expired():
+                    error = f"TimeoutError: the rollout took longer than rollout_timeout_s={env.rollout_timeout_s}"
                 log.warning("rollout_failed", attempt=attempt + 1, max_retries=env.max_retries, error=error)
                 if attempt < env.max_retries:
                     await asyncio.sleep(self.config.rollout.retry_delay_s)

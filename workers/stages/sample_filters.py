@@ -15,7 +15,7 @@ import numpy as np
 
 from bus.errors import ConfigError
 from bus.messages import Sample
-from workers.config import (
+from workers.batch_config import (
     GibberishFilterConfig,
     RepetitionFilterConfig,
     SampleFilterConfig,

@@ -11,7 +11,7 @@ import pytest
 
 from bus.errors import RpcError, RpcTimeoutError
 from bus.rpc import RpcClient
-from workers.config import EnvConfig
+from workers.env_config import EnvConfig
 from workers.envs import BUILTIN
 from workers.envs.server import EnvHandle
 

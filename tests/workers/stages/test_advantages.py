@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from bus.messages import Sample
-from workers.config import AdvantageConfig
+from workers.batch_config import AdvantageConfig
 from workers.stages.advantages import assign_advantages, group_advantages, zero_variance
 
 

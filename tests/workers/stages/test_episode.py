@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bus.messages import Task
-from workers.config import SamplingConfig
+from workers.env_config import SamplingConfig
 from workers.stages.episode import ChatTokens, GroupRunner, RolloutError
 from workers.tools.init_model import build_tokenizer
 
@@ -35,13 +35,14 @@ class ScriptedClient:
     """Answers every request with the text 'ok' + <|im_end|>; records prompts."""
 
     def __init__(self, chat, version=3):
-        self.chat, self.version, self.prompts = chat, version, []
+        self.chat, self.version, self.prompts, self.max_tokens = chat, version, [], []
 
     def pick_server(self):
         return 0
 
     async def completions(self, ids, *, n, max_tokens, prompt_logprobs=False, extra_body=None, **_):
         self.prompts.append(list(ids))
+        self.max_tokens.append(max_tokens)
         if prompt_logprobs:
             return Result([Choice([1], [0.0])], 0, [None] + [-0.5] * (len(ids) - 1))
         body = self.chat.tokenizer.encode("ok", add_special_tokens=False) + [self.chat.end_id]
@@ -131,3 +132,14 @@ def test_context_limit_truncates_a_multi_turn_episode(chat):
     task = Task(task_id="e:0:0", env="e", example_index=1, example_id="1", group_size=1)
     (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=4))
     assert s.is_truncated and s.turns == 1 and s.loss_mask.all()  # no dangling env reply
+
+
+def test_a_total_token_budget_spans_the_turns_of_an_episode(chat):
+    client = ScriptedClient(chat)  # every model turn is 3 tokens
+    runner = GroupRunner(chat, client, None, max_model_len=512, fallback_version=lambda: 0)
+    task = Task(task_id="e:0:0", env="e", example_index=1, example_id="1", group_size=1)
+    (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(max_completion_tokens=10), 4,
+                                     max_total_tokens=5))
+    assert client.max_tokens == [5, 2] and s.turns == 2  # the second turn may spend what the first left
+    (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), 4, max_total_tokens=3))
+    assert s.is_truncated and s.turns == 1 and s.loss_mask.all()  # the budget is spent: no env reply, no turn

@@ -10,11 +10,13 @@ from workers.stages.gate import StalenessGate, admits
 
 
 @pytest.mark.parametrize("served,trained,off,prefetch,eval_step,ok", [
-    (0, 0, 1, 0, None, True),    # next step 1 − 1 = 0
-    (2, 5, 3, 0, None, False),   # next step 6 − 3 = 3 > 2
-    (3, 5, 3, 0, None, True),
-    (3, 5, 3, 1, None, False),   # the packer builds step 7 next: 7 − 3 = 4 > 3
-    (4, 5, 3, 1, None, True),
+    (0, 0, 0, 0, None, True),    # strictly on-policy: step 1 trains policy 0, served 0
+    (4, 5, 0, 0, None, False),   # step 6 trains policy 5: on-policy needs served 5
+    (5, 5, 0, 0, None, True),
+    (2, 5, 2, 0, None, False),   # step 6 trains policy 5; 2 behind is 3 > served 2
+    (3, 5, 2, 0, None, True),
+    (3, 5, 2, 1, None, False),   # the packer builds step 7 next (policy 6): 6 − 2 = 4 > 3
+    (4, 5, 2, 1, None, True),
     (4, 100, 1, 1, 4, True),     # eval: never stale
     (3, 0, 8, 1, 4, False),      # eval waits for its version
 ])
@@ -27,8 +29,8 @@ def test_gate_blocks_while_served_lags_and_releases_on_new_served(bus):
         async with bus("trainer", block_ms=50) as b:
             await publish_trained(b, 3)
             await publish_served(b, "s0", 1)
-            gate = StalenessGate(PolicyTracker(b), max_off_policy_steps=3, prefetch_steps=1, block_ms=50)
-            waiter = asyncio.create_task(gate.wait())  # next packed step 5 − 3 = 2 > served 1
+            gate = StalenessGate(PolicyTracker(b), max_off_policy_steps=2, prefetch_steps=1, block_ms=50)
+            waiter = asyncio.create_task(gate.wait())  # next packed step 5 trains policy 4; 4 − 2 = 2 > served 1
             await asyncio.sleep(0.3)
             assert not waiter.done()
             await publish_served(b, "s1", 2)  # a second server: min(served) stays 1

@@ -21,15 +21,15 @@ from workers.stages.packer import PAUSE_ENV, PackerWorker
 
 
 def test_stale_groups_are_dropped_and_counted(bus, redis_url, run_name, model_dir):
-    cfg = config(redis_url, run_name, model_dir, max_off_policy_steps=2)
+    cfg = config(redis_url, run_name, model_dir, max_off_policy_steps=1)
 
     async def main():
         async with bus("test") as b:
             await b.state_set(**{LAST_STEP_FIELD: 4, "inflight": 8})  # next step s = 5
             await publish_trained(b, 4)
             stream = b.keys.filtered(ENV)
-            await b.publish(stream, group(1, [1.0, 0.0], version=2))  # s − max_off − 1: stale
-            await b.publish(stream, group(2, [1.0, 0.0], version=3))  # s − max_off: kept
+            await b.publish(stream, group(1, [1.0, 0.0], version=2))  # 2 behind policy s − 1 = 4: stale
+            await b.publish(stream, group(2, [1.0, 0.0], version=3))  # 1 behind (= max_off): kept
             await b.publish(stream, group(3, [0.0, 1.0], version=4))
             await b.publish(stream, group(4, [0.0, 1.0], version=4))  # left over for step 6
             worker = PackerWorker(cfg, worker="packer-0")

@@ -5,7 +5,7 @@ import math
 import numpy as np
 
 from bus.messages import Sample
-from workers.config import GibberishFilterConfig, RepetitionFilterConfig, ZeroAdvantageFilterConfig
+from workers.batch_config import GibberishFilterConfig, RepetitionFilterConfig, ZeroAdvantageFilterConfig
 from workers.stages.sample_filters import (
     active_filters,
     apply_filters,

@@ -1,0 +1,221 @@
+"""The sections of what is rolled out: ``[sampling]``, ``[[env]]`` and ``[eval]`` (with ``[[eval.env]]``).
+
+Per-env settings inherit as in prime-rl: a field an env leaves unset takes the shared value, field by field
+(an env's ``sampling`` table that sets only ``temperature`` keeps the shared ``max_completion_tokens``).
+:meth:`workers.config.RlbusConfig` resolves the inheritance once, when the config is validated, so every
+worker (and ``config.resolved.toml``) sees each env's effective values.
+"""
+
+import warnings
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, model_validator
+
+from bus.config import Section
+from bus.messages import Mode
+from workers.batch_config import AdvantageConfig
+
+
+def _deprecate_max_tokens(data: Any) -> Any:
+    if isinstance(data, dict) and "max_tokens" in data and "max_completion_tokens" not in data:
+        warnings.warn("'max_tokens' is deprecated, use 'max_completion_tokens'", FutureWarning, stacklevel=3)
+    return data
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (the trainer divides logits by it)."""
+
+    max_completion_tokens: int | None = Field(
+        128, ge=1, validation_alias=AliasChoices("max_completion_tokens", "max_tokens")
+    )
+    """Maximum tokens per model turn. None: until EOS or the context limit."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold (1.0 = off). Training should keep it off: logprobs are of the full distribution."""
+
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 = off."""
+
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Min-p sampling threshold; 0 = off."""
+
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings ending a model turn."""
+
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Extra fields sent with every completion request."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecations(cls, data: Any) -> Any:
+        return _deprecate_max_tokens(data)
+
+
+class EvalSamplingConfig(Section):
+    """Eval sampling: every knob None by default, and a None knob is not sent (the server's default applies)."""
+
+    temperature: float | None = Field(None, ge=0)
+    """Sampling temperature; None defers to the inference server's default."""
+
+    max_completion_tokens: int | None = Field(
+        None, ge=1, validation_alias=AliasChoices("max_completion_tokens", "max_tokens")
+    )
+    """Maximum tokens per model turn; None: until EOS or the context limit."""
+
+    top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus sampling threshold; None defers to the server."""
+
+    top_k: int | None = Field(None, ge=-1)
+    """Top-k sampling; None defers to the server."""
+
+    min_p: float | None = Field(None, ge=0, le=1)
+    """Min-p sampling threshold; None defers to the server."""
+
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    """Reasoning effort of reasoning models (sent as ``reasoning_effort``); None: not sent."""
+
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings ending a model turn."""
+
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Extra fields sent with every eval request."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecations(cls, data: Any) -> Any:
+        return _deprecate_max_tokens(data)
+
+
+class EnvConfig(Section):
+    id: str
+    """Built-in env name (``reverse_text``, ``echo_chars``, ``guess_number``) or import path ``package.module:factory``."""
+
+    name: str | None = None
+    """Display name in keys, logs and metrics; defaults to the id. Unique per run; ``all`` is reserved."""
+
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the env factory."""
+
+    ratio: float | None = Field(None, gt=0)
+    """Relative sampling weight; set on all train envs or on none (uniform over examples)."""
+
+    group_size: int = Field(8, ge=1, validation_alias=AliasChoices("group_size", "rollouts_per_example"))
+    """Completions sampled per example (the GRPO group); unset: the top-level ``group_size``."""
+
+    mode: Mode = "rl"
+    """Training mode of this env's samples: rl, opd (needs [teacher]) or sft (needs [teacher]); unset: the
+    top-level ``training_mode``."""
+
+    address: str | None = None
+    """ZeroMQ address of an external env server (``tcp://host:5555``); None: the rollout worker spawns one."""
+
+    max_retries: int = Field(3, ge=0)
+    """Times a failed rollout of this env is retried before it is dead-lettered; unset: the top-level
+    ``max_retries``."""
+
+    max_turns: int = Field(8, ge=1)
+    """Model turns per episode in multi-turn envs."""
+
+    rollout_timeout_s: float | None = Field(None, gt=0)
+    """Wall-clock limit of one rollout of a group (all its turns); past it the attempt fails and is retried like
+    any failed rollout (prime-rl's ``timeout.rollout``). None: no limit."""
+
+    max_total_completion_tokens: int | None = Field(None, ge=1)
+    """Budget of model tokens over all turns of one episode (prime-rl's ``max_output_tokens``); an episode that
+    spends it ends truncated. None: only the per-turn ``max_completion_tokens`` and the context limit apply."""
+
+    sampling: SamplingConfig | None = None
+    """Per-env sampling; unset fields inherit from [sampling], field by field."""
+
+    advantage: AdvantageConfig | None = None
+    """Per-env advantage settings (the seed's per-env ``algo``); unset fields inherit from [filter.advantage]."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or self.id.rsplit(":", 1)[-1]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_num_workers(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "num_workers" in data:
+            if data["num_workers"] != "auto":
+                raise ValueError(
+                    f"num_workers={data['num_workers']!r} was removed (prime-rl moved it to an env `pool`); rlbus runs "
+                    "one env server per rollout worker: set rollout.workers and rollout.max_concurrent_groups instead"
+                )
+            warnings.warn("env num_workers = 'auto' is the default and deprecated; remove it", FutureWarning,
+                          stacklevel=2)
+            data = {k: v for k, v in data.items() if k != "num_workers"}
+        return data
+
+    @model_validator(mode="after")
+    def _check_name(self) -> "EnvConfig":
+        if self.resolved_name == "all":
+            raise ValueError('env name "all" is reserved for aggregate metrics; set name = "..." to something else')
+        if any(c in self.resolved_name for c in "{}: *?[]"):
+            raise ValueError(f"env name {self.resolved_name!r} cannot be used in a Redis key; set name = ...")
+        return self
+
+
+class EvalEnvConfig(EnvConfig):
+    num_examples: int = Field(-1, ge=-1)
+    """Examples to evaluate; -1 = all; unset: [eval].num_examples."""
+
+    interval: int = Field(100, ge=1)
+    """Evaluate every this many steps; unset: [eval].interval."""
+
+    group_size: int = Field(1, ge=1, validation_alias=AliasChoices("group_size", "rollouts_per_example"))
+    """Samples per example (pass@k for binary rewards uses k ≤ group_size); unset: [eval].group_size."""
+
+    sampling: EvalSamplingConfig | None = None
+    """Per-env eval sampling; unset fields inherit from [eval.sampling], field by field."""
+
+
+class EvalConfig(Section):
+    env: list[EvalEnvConfig] = Field(default_factory=list)
+    """Eval environments (``[[eval.env]]``); empty = no eval."""
+
+    interval: int = Field(100, ge=1)
+    """Default steps between evals (each eval env may set its own)."""
+
+    num_examples: int = Field(-1, ge=-1)
+    """Default examples per eval env; -1 = all."""
+
+    group_size: int = Field(1, ge=1, validation_alias=AliasChoices("group_size", "rollouts_per_example"))
+    """Default samples per example of an eval env."""
+
+    max_retries: int = Field(3, ge=0)
+    """Default retries of a failed eval rollout."""
+
+    sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
+    """Eval sampling, separate from training sampling; None knobs defer to the server."""
+
+    skip_first_step: bool = False
+    """Skip the eval of the initial policy (step 0)."""
+
+    timeout_s: float | None = Field(600.0, gt=0)
+    """An eval not complete this many seconds after it was issued finishes with the groups it has
+    (``eval/{env}/groups_missing`` counts the rest, ``eval/{env}/timed_out`` = 1), so a lost eval task never pins
+    ``eval:hold`` and the run; None = wait forever. Dead-lettered eval tasks count as done (missing) at once."""
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "EvalConfig":
+        names = [e.resolved_name for e in self.env]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate eval env names {dupes}; give each [[eval.env]] a unique name")
+        for env in self.env:
+            for field in ("num_examples", "interval", "group_size", "max_retries"):
+                if field not in env.model_fields_set:
+                    setattr(env, field, getattr(self, field))
+            env.sampling = inherit(self.sampling, env.sampling)
+        return self
+
+
+def inherit(shared: Section, own: Section | None) -> Section:
+    """``own``'s explicitly set fields over ``shared`` (a copy); every field counts as set in the result, so
+    resolving twice (a worker re-reading ``config.resolved.toml``) changes nothing."""
+    if own is None:
+        return type(shared).model_validate(shared.model_dump())
+    return type(shared).model_validate(shared.model_dump() | own.model_dump(exclude_unset=True))
