@@ -23,6 +23,12 @@ STREAK_FIELD = "zero_variance_streak"
 STOP_REASON_FIELD = "stop_reason"
 """Why the run stopped (set by the filter on collapse; read by ``rlbus run`` and the status panel)."""
 
+FEEDER_DONE_FIELD = "feeder:done"
+"""Set (to ``1``) once every env has issued its ``feeder.max_epochs``: no more training tasks will come."""
+
+DATA_EXHAUSTED = "data exhausted"
+"""The ``stop_reason`` of a run whose data ran out: the packer sets it once the last (partial) step is built."""
+
 RUN_EPOCH_FIELD = "run:epoch"
 """A random id the trainer writes when the run first trains; every checkpoint carries it, so a trainer resuming
 onto a Redis that lost the run (wiped, a new volume, another server) notices instead of starting over."""
@@ -34,6 +40,12 @@ that went back to an older copy of the run (its steps are behind the trainer's) 
 
 EVAL_HOLD_FIELD = "eval:hold"
 """Inference servers serve no weights newer than this step while evals run (absent: no hold)."""
+
+
+def is_progress_field(name: str) -> bool:
+    """Whether a state field is part of the data position a checkpoint keeps: the feeder's cursors and epochs,
+    and which evals were issued and done."""
+    return name.startswith(("feeder:", "eval:issued:", "eval:done:"))
 
 
 def cursor_field(env: str) -> str:

@@ -336,8 +336,9 @@ class Bus:
         for group in groups:
             floor = as_str(group["last-delivered-id"])
             if group["pending"]:
-                oldest = as_str((await self.redis.xpending(stream, group["name"]))["min"])
-                floor = min(floor, oldest, key=_entry_id)
+                oldest = (await self.redis.xpending(stream, group["name"]))["min"]
+                if oldest is not None:  # None: acked since XINFO; the floor read then is still safe
+                    floor = min(floor, as_str(oldest), key=_entry_id)
             floors.append(floor)
         if not floors:
             return 0

@@ -49,9 +49,10 @@ class Checkpointer:
         return self.cfg.interval is not None and step % self.cfg.interval == 0
 
     def save(self, step: int, policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-             run_epoch: str | None = None) -> Path:
+             run_epoch: str | None = None, progress: dict[str, str] | None = None) -> Path:
         """Write the checkpoint of ``step`` (every rank takes part in gathering; rank 0 writes), stamped with the
-        run's epoch (:data:`bus.state.RUN_EPOCH_FIELD`)."""
+        run's epoch (:data:`bus.state.RUN_EPOCH_FIELD`) and its data position (``progress``: the feeder's fields
+        of the state hash), so a run restored onto an empty Redis continues where it was."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -59,7 +60,8 @@ class Checkpointer:
         final = self.root / f"step_{step}"
         if self.ctx.is_main:
             state = {"step": step, "model": model_state, "optimizer": optim_state,
-                     "scheduler": scheduler.state_dict(), "rng": _rng_state(), "run_epoch": run_epoch}
+                     "scheduler": scheduler.state_dict(), "rng": _rng_state(), "run_epoch": run_epoch,
+                     "progress": progress}
             tmp = self.root / f".tmp-step_{step}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
             torch.save(state, tmp / FILE_NAME)
@@ -70,17 +72,19 @@ class Checkpointer:
         barrier(self.ctx)
         return final
 
-    def load(self, step: int, policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> str | None:
-        """Restore model, optimizer, scheduler and RNG states from the checkpoint of ``step``; returns the run
-        epoch it was made in (None for checkpoints written before epochs existed)."""
+    def load(self, step: int, policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+             weights_only: bool = False) -> tuple[str | None, dict[str, str] | None]:
+        """Restore model and optimizer (and, unless ``weights_only``, scheduler and RNG states) from the checkpoint
+        of ``step``; returns the run epoch it was made in and its progress (None for older checkpoints)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         state = torch.load(self.root / f"step_{step}" / FILE_NAME, map_location="cpu", weights_only=True)
         set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-        return state.get("run_epoch")
+        if not weights_only:
+            scheduler.load_state_dict(state["scheduler"])
+            _set_rng_state(state["rng"])
+        return state.get("run_epoch"), state.get("progress")
 
     def prune(self) -> list[int]:
         """Delete checkpoints beyond ``keep_last``, except multiples of ``keep_interval``."""

@@ -146,4 +146,13 @@ class CkptConfig(Section):
     resume_step: int | None = Field(None, ge=-1)
     """Step to resume from; -1 = latest; None = start fresh."""
 
+    skip_progress: bool = False
+    """Resume the model and optimizer from the checkpoint, but not its progress: steps and data start from the
+    beginning, as a new run from those weights (use a new run.name or an empty Redis)."""
+
+    wait_for_weights_timeout: int | None = Field(None, ge=1)
+    """When a weights event names a directory that is not complete yet (a resumed run whose trainer is still
+    writing it, a shared file system that shows files late), an inference server waits up to this many seconds
+    for it. None: skip the update at once and wait for the next one."""
+
 

@@ -20,7 +20,15 @@ from bus.errors import ConfigError, RlbusError
 from bus.log import configure_logging, get_logger
 from bus.messages import Metric, MicroBatch, PolicyVersion, WeightUpdate
 from bus.policy import PolicyTracker
-from bus.state import EVAL_HOLD_FIELD, RUN_EPOCH_FIELD
+from bus.resp import as_str
+from bus.state import (
+    DATA_EXHAUSTED,
+    EVAL_HOLD_FIELD,
+    LAST_STEP_FIELD,
+    RUN_EPOCH_FIELD,
+    STOP_REASON_FIELD,
+    is_progress_field,
+)
 from bus.weight_files import weights_root
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, run_worker
@@ -85,11 +93,15 @@ class TrainerWorker:
             for path in remove_interrupted_saves(weights_root(self.output_dir)) + remove_interrupted_saves(self.ckpt.root):
                 self.log.warning("interrupted_save_removed", path=str(path))
         resume = self.ckpt.resolve(self.config.ckpt.resume_step)
-        made_in = None
-        if resume is not None:
-            made_in = self.ckpt.load(resume, self.policy, self.optimizer, self.scheduler)
+        made_in = progress = None
+        if resume is not None and self.config.ckpt.skip_progress:
+            self.ckpt.load(resume, self.policy, self.optimizer, self.scheduler, weights_only=True)
+            self.log.info("trainer_weights_from_checkpoint", step=resume, hint="ckpt.skip_progress: starting at step 0")
+            resume = None
+        elif resume is not None:
+            made_in, progress = self.ckpt.load(resume, self.policy, self.optimizer, self.scheduler)
             self.step = resume
-        self.run_epoch = await self._run_epoch(resume, made_in)
+        self.run_epoch = await self._run_epoch(resume, made_in, progress)
         await self.tenure.claim(self.step)
         if self.ctx.is_main and self.cfg.weight_transport == "nccl":
             from trainer.broadcast import WeightBroadcaster
@@ -108,14 +120,23 @@ class TrainerWorker:
             else:
                 await self.tenure.publish([(self.bus.keys.policy(), PolicyVersion(role="trained", step=0))], step=0)
 
-    async def _run_epoch(self, resume: int | None, made_in: str | None) -> str:
-        """The run's epoch in Redis (written on the first start); a checkpoint from an epoch Redis does not hold
-        means Redis lost the run, and continuing would start the data and the versions over: stop."""
+    async def _run_epoch(self, resume: int | None, made_in: str | None, progress: dict[str, str] | None) -> str:
+        """The run's epoch in Redis (written on the first start). Resuming onto a Redis that holds nothing of the
+        run restores the checkpoint's data position there first; one that holds another epoch was replaced, and
+        continuing would start the data and the versions over: stop."""
         state = self.bus.keys.state()
+        if not self.ctx.is_main:  # rank 0 checks (and restores); the group stops with it
+            return made_in or ""
         if made_in is None:
             await self.bus.redis.hsetnx(state, RUN_EPOCH_FIELD, uuid.uuid4().hex)
             return await self.bus.state_get(RUN_EPOCH_FIELD)
         held = await self.bus.state_get(RUN_EPOCH_FIELD)
+        if held is None and progress is not None:
+            await self.bus.state_set(**progress, **{LAST_STEP_FIELD: resume})
+            await self.bus.state_set(**{RUN_EPOCH_FIELD: made_in})  # last: the feeder waits for it (ckpt.resume_step)
+            self.log.warning("redis_restored_from_checkpoint", step=resume, fields=sorted(progress),
+                             hint="Redis held nothing of this run; it continues from the checkpoint's data position")
+            return made_in
         if held != made_in:
             what = "holds no state of this run" if held is None else f"holds another run epoch ({held})"
             raise ConfigError(
@@ -141,11 +162,19 @@ class TrainerWorker:
             metrics["weights_s"] = time.perf_counter() - t0
             if self.ckpt.due(step):
                 t0 = time.perf_counter()
-                self.ckpt.save(step, self.policy, self.optimizer, self.scheduler, self.run_epoch)
+                self.ckpt.save(step, self.policy, self.optimizer, self.scheduler, self.run_epoch,
+                               await self._progress())
                 metrics["ckpt_s"] = time.perf_counter() - t0
             await self.retire_batches(step)
             await self.report(step, metrics)
         self.log.info("trainer_stopped", step=self.step)
+
+    async def _progress(self) -> dict[str, str] | None:
+        """The data position to keep in a checkpoint (rank 0): the feeder's fields of the state hash."""
+        if not self.ctx.is_main:
+            return None
+        fields = await self.bus.redis.hgetall(self.bus.keys.state())
+        return {as_str(k): as_str(v) for k, v in fields.items() if is_progress_field(as_str(k))}
 
     async def retire_batches(self, step: int) -> None:
         """Rank 0, after step ``step``: archive its micro-batches if asked, and delete the ``batches:*`` streams that
@@ -171,6 +200,9 @@ class TrainerWorker:
             if self._stop.is_set():
                 return None
             entries = await self.bus.read_fanout(stream, last_id, count=1000, block_ms=self.config.redis.block_ms)
+            if not entries and count is None and await self._data_exhausted_before(step):
+                self.log.info("trainer_done", step=self.step, reason=DATA_EXHAUSTED)
+                return None
             for entry_id, message in entries:
                 last_id = entry_id
                 if isinstance(message, MicroBatch) and message.step == step:
@@ -178,6 +210,11 @@ class TrainerWorker:
                     count = message.count
         self._step_batches = [got[i] for i in sorted(got)]
         return [got[i] for i in sorted(got) if i % self.ctx.world_size == self.ctx.rank]
+
+    async def _data_exhausted_before(self, step: int) -> bool:
+        """Whether the data ran out and the packer's last step comes before ``step`` (no batches will come)."""
+        reason, last = await self.bus.redis.hmget(self.bus.keys.state(), [STOP_REASON_FIELD, LAST_STEP_FIELD])
+        return reason is not None and reason.decode() == DATA_EXHAUSTED and int(last or 0) < step
 
     def train(self, step: int, micro_batches: list[MicroBatch], wait_s: float) -> dict[str, float]:
         from trainer.step import to_batch, train_step

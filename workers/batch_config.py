@@ -102,6 +102,10 @@ class PackerConfig(Section):
     batch_size: int | None = Field(None, ge=1)
     """Samples per step; set this or token_batch_size (neither: 128)."""
 
+    max_batch_size: int | None = Field(None, ge=1)
+    """ART's dynamic batch: a step waits for ``batch_size`` samples (its minimum), then also takes whatever whole
+    groups are already queued, up to this many samples. None: every step takes ``batch_size``."""
+
     token_batch_size: int | None = Field(None, ge=1)
     """Tokens per step (overflow carries into the next step); needs feeder.max_inflight_rollouts."""
 
@@ -137,4 +141,10 @@ class PackerConfig(Section):
         if self.batch_size is not None and self.token_batch_size is not None:
             raise ValueError("set exactly one of packer.batch_size or packer.token_batch_size, not both")
         _unique_filter_types(self.post_batch_filters, "packer.post_batch_filters")
+        if self.max_batch_size is not None:
+            if self.token_batch_size is not None:
+                raise ValueError("packer.max_batch_size works with packer.batch_size only; remove it")
+            if self.max_batch_size < (self.batch_size or 128):
+                raise ValueError(f"packer.max_batch_size={self.max_batch_size} is below packer.batch_size="
+                                 f"{self.batch_size or 128} (the minimum); raise it or unset it")
         return self

@@ -162,15 +162,46 @@ def test_prune_keeps_served_steps_and_the_eval_hold(tmp_path, bus, run_name):
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step_2", "step_3", "step_5"]
 
 
-def test_a_trainer_resuming_onto_a_wiped_redis_stops_and_says_so(tmp_path, redis_url, bus, run_name, redis_client):
+def test_a_trainer_resuming_onto_an_empty_redis_restores_the_data_position(tmp_path, redis_url, bus, run_name,
+                                                                             redis_client):
     model_dir = save_tiny_model(tmp_path / "model")
     asyncio.run(publish_steps(bus, range(1, 3)))
+    state = Keys(run_name).state()
+    redis_client.hset(state, mapping={"feeder:cursor:e": 40, "feeder:epoch:e": 2, "eval:done:x": 0, "inflight": 9})
     train(make_config(redis_url, run_name, tmp_path / "a", model_dir, run={"max_steps": 2}))
     for key in redis_client.scan_iter(match=f"rlbus:{{{run_name}}}:*"):  # Redis lost the run (FLUSHALL, a new volume)
         redis_client.delete(key)
-    resumed = make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": -1})
-    with pytest.raises(ConfigError, match="wiped or replaced"):
-        train(resumed)
+    asyncio.run(publish_steps(bus, range(3, 4)))
+    train(make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": -1}, run={"max_steps": 3}))
+    restored = {k.decode(): v.decode() for k, v in redis_client.hgetall(state).items()}
+    assert {k: restored[k] for k in ("feeder:cursor:e", "feeder:epoch:e", "eval:done:x", "packer:last_step")} == {
+        "feeder:cursor:e": "40", "feeder:epoch:e": "2", "eval:done:x": "0", "packer:last_step": "2"}
+    assert "inflight" not in restored and restored["trainer"].endswith("@3")  # counters start over; step 3 trained
+    redis_client.hset(state, "run:epoch", "another")  # a Redis holding another run under this name
+    with pytest.raises(ConfigError, match="holds another run epoch"):
+        train(make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": -1}))
+
+
+def test_skip_progress_takes_the_weights_and_starts_the_steps_over(tmp_path, redis_url, bus, run_name):
+    model_dir = save_tiny_model(tmp_path / "model")
+    asyncio.run(publish_steps(bus, range(1, 3)))
+    train(make_config(redis_url, run_name, tmp_path / "a", model_dir, run={"max_steps": 2}))
+    trained = read_weights(tmp_path / "a" / "weights" / "step_2")
+    worker = TrainerWorker(make_config(redis_url, run_name + "-b", tmp_path / "a", model_dir,
+                                       ckpt={"resume_step": -1, "skip_progress": True}))
+
+    async def main():
+        await worker.setup()
+        try:
+            assert worker.step == 0
+            state = worker.policy.lm.state_dict()
+            for name, tensor in trained.items():  # (tied embeddings are saved once)
+                assert torch.equal(state[name], tensor), name  # step_2's weights, at step 0 of the new run
+        finally:
+            await worker.close()
+
+    asyncio.run(main())
+    assert [p.step for p in asyncio.run(stream(bus, lambda k: k.policy(), run=run_name + "-b"))] == [0]
 
 
 def test_trained_and_checkpointed_batches_leave_redis_and_the_archive_keeps_them(tmp_path, redis_url, bus, run_name,

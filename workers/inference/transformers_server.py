@@ -88,7 +88,8 @@ class InferenceServer:
         self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
         self.follower = WeightsFollower(self.bus, self.server_id, self._apply_weights,
                                         weights_root(self.config.run.output_dir),
-                                        block_ms=self.config.redis.block_ms)
+                                        block_ms=self.config.redis.block_ms,
+                                        wait_for_weights_s=self.config.ckpt.wait_for_weights_timeout)
         await self.follower.start()
 
     async def _apply_weights(self, event) -> None:

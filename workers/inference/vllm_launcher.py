@@ -155,7 +155,8 @@ class VllmServer:
     async def _follow(self) -> None:
         self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
         follower = WeightsFollower(self.bus, self.server_id, self.reload, weights_root(self.config.run.output_dir),
-                                   block_ms=self.config.redis.block_ms)
+                                   block_ms=self.config.redis.block_ms,
+                                   wait_for_weights_s=self.config.ckpt.wait_for_weights_timeout)
         await follower.start()
         await follower.run()
 

@@ -25,6 +25,9 @@ from bus.state import EVAL_HOLD_FIELD
 from bus.streams import Bus
 from bus.weight_files import check_update
 
+RECHECK_S = 0.5
+"""How often an incomplete weights directory is checked again while ``ckpt.wait_for_weights_timeout`` runs."""
+
 Apply = Callable[[WeightUpdate], Awaitable[None]]
 """Loads one update into the served model (returns once requests see the new weights)."""
 
@@ -33,7 +36,7 @@ class WeightsFollower:
     """Reads ``weights`` (fan-out, no group) and keeps ``served`` on ``policy`` up to date."""
 
     def __init__(self, bus: Bus, server_id: str, apply: Apply, weights_root: Path | str, step: int = 0,
-                 block_ms: int = 1000):
+                 block_ms: int = 1000, wait_for_weights_s: float | None = None):
         self.bus = bus
         self.server_id = server_id
         self.apply = apply
@@ -42,6 +45,8 @@ class WeightsFollower:
         self.block_ms = block_ms
         self.weights_root = Path(weights_root)
         """Only safetensors directories under this root whose files match their event are loaded."""
+        self.wait_for_weights_s = wait_for_weights_s
+        """How long an incomplete directory is waited for (``ckpt.wait_for_weights_timeout``); None: not at all."""
         self.last_id = "0"
         self.log = get_logger(worker="inference", server=server_id, run=bus.keys.run)
 
@@ -114,7 +119,7 @@ class WeightsFollower:
         start = loop.time()
         try:
             if event.format == "safetensors":
-                await asyncio.to_thread(check_update, event, self.weights_root)
+                await self._check(event)
             await self.apply(event)
         except (FileNotFoundError, ValueError) as e:
             # A pruned or mismatched directory: the next update replaces it.
@@ -124,6 +129,22 @@ class WeightsFollower:
         self.log.info("weights_loaded", step=event.step, format=event.format,
                       dir=event.dir and Path(event.dir).name, load_s=round(loop.time() - start, 3))
         return True
+
+
+    async def _check(self, event: WeightUpdate) -> None:
+        """The event's files are there and match; an incomplete directory is re-checked every
+        :data:`RECHECK_S` for up to ``wait_for_weights_s``."""
+        deadline = asyncio.get_running_loop().time() + (self.wait_for_weights_s or 0)
+        while True:
+            try:
+                await asyncio.to_thread(check_update, event, self.weights_root)
+                return
+            except (FileNotFoundError, ValueError) as e:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                self.log.info("weights_waiting", step=event.step, dir=event.dir, error=str(e),
+                              hint="ckpt.wait_for_weights_timeout: the directory may still be being written")
+                await asyncio.sleep(RECHECK_S)
 
 
 def _held(event: WeightUpdate, hold: int | None) -> bool:

@@ -31,7 +31,14 @@ from bus.errors import ConfigError
 from bus.log import get_logger
 from bus.messages import Metric, Task, training_task_id
 from bus.resp import as_str
-from bus.state import INFLIGHT_FIELD, cursor_field, epoch_field, reconcile_inflight
+from bus.state import (
+    FEEDER_DONE_FIELD,
+    INFLIGHT_FIELD,
+    RUN_EPOCH_FIELD,
+    cursor_field,
+    epoch_field,
+    reconcile_inflight,
+)
 from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.envs.server import EnvHandle
@@ -121,9 +128,21 @@ class FeederWorker:
                 raise ConfigError(f"env {name!r} reports a dataset of {sizes.get(name)} examples; it needs at least 1")
             weight = env.ratio if env.ratio is not None else float(sizes[name])
             self.cursors.append(EnvCursor(name, sizes[name], weight, env.group_size, env.mode))
+        if self.config.ckpt.resume_step is not None:
+            await self._wait_for_the_trainer()
         await self._load_cursors()
         self.log.info("feeder_ready", max_inflight=self.max_inflight,
                       envs={c.name: f"epoch {c.epoch} position {c.position}/{c.size}" for c in self.cursors})
+
+    async def _wait_for_the_trainer(self) -> None:
+        """A run that may resume from a checkpoint is opened by its trainer (which may first restore the data
+        position into an empty Redis): wait for the run epoch it writes before reading the cursors."""
+        while not self._stop.is_set() and await self.bus.state_get(RUN_EPOCH_FIELD) is None:
+            self.log.info("feeder_waiting_for_trainer", hint="the trainer opens a resumable run (ckpt.resume_step)")
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
 
     async def _dataset_sizes(self) -> dict[str, int]:
         """Each env server's dataset size (spawning the servers that have no address)."""
@@ -156,6 +175,7 @@ class FeederWorker:
             await self._reconcile()
             cursor = pick_env(self.cursors, max_epochs)
             if cursor is None:
+                await self.bus.state_set(**{FEEDER_DONE_FIELD: 1})
                 self.log.info("feeder_done", epochs=max_epochs, issued=self.issued)
                 return
             if await self._wait_for_room(cursor.group_size):

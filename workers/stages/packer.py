@@ -1,11 +1,14 @@
 """The packer worker: ``filtered:*`` → the micro-batches of step ``s`` in ``batches:{s}``.
 
 Steps are built in order, ``s = packer:last_step + 1``, and only once ``s ≤ trained + 1 +
-prefetch`` (``prefetch_steps`` capped at ``max_off_policy_steps``). A step takes whole groups: ``batch_size`` samples, or up to
+prefetch`` (``prefetch_steps`` capped at ``max_off_policy_steps``). A step takes whole groups:
+``batch_size`` samples (and, with ``max_batch_size``, whatever more is queued, up to it), or up to
 ``token_batch_size`` tokens (the group that would overflow waits for the next step). Groups
 whose start policy version is older than ``s − 1 − max_off_policy_steps`` are dropped as stale at
 once (ack, a ``packer/stale_groups`` metric for step ``s`` and the in-flight release, one commit).
 The post-batch filters run on the assembled batch, then :func:`workers.stages.packing.pack_step`.
+When the feeder's data is exhausted (``feeder.max_epochs``) and every sample still in flight is
+held here, the last partial step is built and the packer sets ``stop_reason = "data exhausted"``.
 
 In flight: the packer ends the life of every group it consumes (packed, stale, or removed by the
 post-batch filters), so its commits lower the feeder's ``inflight`` count by those groups'
@@ -41,7 +44,14 @@ from bus.lease import Lease
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Sample, task_position
 from bus.policy import PolicyTracker
-from bus.state import INFLIGHT_FIELD, LAST_STEP_FIELD, release_inflight
+from bus.state import (
+    DATA_EXHAUSTED,
+    FEEDER_DONE_FIELD,
+    INFLIGHT_FIELD,
+    LAST_STEP_FIELD,
+    STOP_REASON_FIELD,
+    release_inflight,
+)
 from bus.streams import Bus, Entry
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, run_worker
@@ -85,6 +95,8 @@ class PackerWorker:
         self._stop = asyncio.Event()
         self.active = False
         """True once this packer holds the lease (a standby until then)."""
+        self.exhausted = False
+        """The feeder issued its last task and every sample still in flight is held here."""
 
     @property
     def last_step(self) -> int:
@@ -149,6 +161,8 @@ class PackerWorker:
             if max_steps is not None and step > max_steps:
                 self.log.info("packer_done", last_step=self.last_step)
                 return
+            if self.cfg.max_batch_size is not None and self._ready() and not self._replay:
+                await self._read_queued()
             self._drop_stale(step)
             if self.stale:
                 await self._release_stale(step)
@@ -159,6 +173,10 @@ class PackerWorker:
                     last_reclaim = time.monotonic()
                 await self._read(reclaim)
                 continue
+            if self.exhausted and not self.held:
+                await self.bus.state_set(**{STOP_REASON_FIELD: DATA_EXHAUSTED})
+                self.log.info("packer_done", last_step=self.last_step, reason=DATA_EXHAUSTED)
+                return
             if not await self._allowed(step):
                 continue
             await self.build(step)
@@ -187,6 +205,11 @@ class PackerWorker:
             self.streams, GROUP_PACKER, count=64, block_ms=self.config.redis.block_ms
         )
         for entry in entries:
+            await self._hold(entry)
+
+    async def _read_queued(self) -> None:
+        """A step has its minimum: also take what is queued right now (no waiting), for ``max_batch_size``."""
+        for entry in await self.bus.read_group(self.streams, GROUP_PACKER, count=64, block_ms=None):
             await self._hold(entry)
 
     async def _hold(self, entry: Entry) -> None:
@@ -271,12 +294,17 @@ class PackerWorker:
         self.log.info("stale_groups_dropped", step=step, groups=len(stale), samples=samples)
 
     async def _pipeline_full(self) -> bool:
-        """True when the feeder cannot issue another group and every in-flight sample is held here."""
-        held = _samples(self.held)
-        if not held or self._replay:
+        """True when no more groups can come before the next step: every in-flight sample is held here, and the
+        feeder cannot issue another group (the in-flight cap) or never will (its data is exhausted)."""
+        if self._replay:
             return False
-        inflight = int(await self.bus.state_get(INFLIGHT_FIELD) or 0)
-        return inflight <= held and inflight + self.max_group_size > self.max_inflight
+        held = _samples(self.held)
+        inflight, done = await self.bus.redis.hmget(self.bus.keys.state(), [INFLIGHT_FIELD, FEEDER_DONE_FIELD])
+        inflight = int(inflight or 0)
+        if inflight > held:
+            return False
+        self.exhausted = done is not None
+        return self.exhausted or (held > 0 and inflight + self.max_group_size > self.max_inflight)
 
     def _ready(self) -> bool:
         if self.cfg.token_batch_size is not None:
@@ -290,7 +318,7 @@ class PackerWorker:
             if self.cfg.token_batch_size is not None:
                 if taken and tokens + held.tokens > self.cfg.token_batch_size:
                     break
-            elif samples >= self.config.batch_size():
+            elif samples >= (self.cfg.max_batch_size or self.config.batch_size()):
                 break
             taken.append(held)
             samples += len(held.group.samples)
@@ -312,7 +340,8 @@ class PackerWorker:
         """Assemble, filter, pack and commit step ``step``."""
         if not self._ready():
             self.log.info("partial_step", step=step, samples=_samples(self.held), max_inflight=self.max_inflight,
-                          hint="feeder.max_inflight_rollouts is reached and every in-flight sample is here")
+                          hint="the data is exhausted" if self.exhausted else
+                          "feeder.max_inflight_rollouts is reached and every in-flight sample is here")
         taken = self._take()
         samples, rewards, counts = self._filter(taken)
         batches, stats = pack_step(samples, step=step, seq_len=self.cfg.seq_len, dp_size=self.config.trainer.nproc)

@@ -100,3 +100,30 @@ def test_only_weights_under_the_root_that_match_their_event_are_loaded(bus, tmp_
             assert applied == [3] and follower.step == 3
 
     asyncio.run(main())
+
+
+def test_a_directory_still_being_written_is_waited_for_with_wait_for_weights_timeout(bus, tmp_path):
+    async def main():
+        async with bus("trainer") as b:
+            root = tmp_path / "weights"
+            event = written(root, 1)
+            shard = Path(event.dir, "model.safetensors")
+            content = shard.read_bytes()
+            shard.unlink()  # the event came before the file (a trainer still saving, a lagging shared disk)
+            applied = []
+
+            async def apply(e: WeightUpdate) -> None:
+                applied.append(e.step)
+
+            impatient = WeightsFollower(b, "s1", apply, root, block_ms=100)
+            assert not await impatient._load(event)  # None: skipped at once
+
+            async def finish_writing() -> None:
+                await asyncio.sleep(0.7)
+                shard.write_bytes(content)
+
+            patient = WeightsFollower(b, "s2", apply, root, block_ms=100, wait_for_weights_s=10)
+            loaded, _ = await asyncio.gather(patient._load(event), finish_writing())
+            assert loaded and applied == [1]
+
+    asyncio.run(main())

@@ -148,6 +148,22 @@ def test_a_few_steps_end_to_end(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_whose_data_runs_out_trains_its_last_partial_step_and_ends(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    proc = start_run(out, tiny_model_dir, "--run.max_steps", "none", "--feeder.max_epochs", "1", "--eval.env", "none",
+                     "--env.0.args", "{num_examples = 20, answer_len = 4}", "--packer.batch_size", "64")
+    assert wait_exit(proc, out, 180) == 0, stdout_of(out)[-4000:]
+    s = summary(out)
+    assert s["stopped_because"] == "data exhausted" and s["steps_trained"] >= 2, s
+    assert s["groups"]["produced"] == 20 and s["groups"]["in_flight"] == 0
+    assert_counts_add_up(s["groups"])
+    packed = {r["step"]: r["packer/groups"] for r in metric_rows(out) if "packer/groups" in r}
+    assert sorted(packed) == list(range(1, s["steps_trained"] + 1))
+    assert packed[s["steps_trained"]] < 8 and sum(packed.values()) == s["groups"]["trained"]  # the last one partial
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_kill_9_of_each_role_still_reaches_max_steps(tmp_path, tiny_model_dir, redis_url, run_name):
     out = tmp_path / "run"
