@@ -86,6 +86,16 @@ class TrainerConfig(Section):
     loss: LossConfig = Field(default_factory=DppoLossConfig)
     """Loss of rl-mode micro-batches (opd and sft have fixed losses)."""
 
+    kl_penalty_coef: float = Field(0.0, ge=0)
+    """ART's KL penalty against a reference policy: each rl token's advantage becomes
+    ``A − coef · sg(logπ − logπ_ref)`` (the sampled-token estimate of KL(π‖π_ref)), which holds the policy near the
+    reference; ``kl_ref`` reports the estimate per step. 0: off, no reference model is loaded. Separate from the
+    loss's ``kl_tau``, which ties π to the inference policy μ."""
+
+    kl_penalty_reference_step: int | None = Field(None, ge=1)
+    """The reference of ``kl_penalty_coef``: None = the initial weights (``model.path``); a step = that step's
+    weights in ``output_dir/weights`` (never pruned while they are the reference)."""
+
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk when computing logprobs over the vocabulary (bounds logits memory)."""
 

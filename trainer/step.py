@@ -5,7 +5,8 @@ one so FSDP's collectives stay matched. Loss-token counts per mode are all-reduc
 mode's loss is its summed per-token loss over the whole step divided by its token count across
 micro-batches and ranks. Metric sums are all-reduced once at the end of the step. A step whose gradient
 norm is not finite (a NaN or inf anywhere in the loss or the gradients) is not applied: neither the
-optimizer nor the schedule moves, and ``skipped_nonfinite`` = 1 says so.
+optimizer nor the schedule moves, and ``skipped_nonfinite`` = 1 says so. With a ``reference`` policy
+(``trainer.kl_penalty_coef``), each rl token's advantage is lowered by ``coef · sg(logπ − logπ_ref)``.
 """
 
 import math
@@ -78,13 +79,14 @@ def filler_batch(like: Batch | None, device: torch.device) -> Batch:
 
 # Slots of the metric-sum vector all-reduced once per step.
 _SUMS = ("loss/rl", "loss/opd", "loss/sft", "tokens/rl", "tokens/opd", "tokens/sft", "entropy", "masked",
-         "kl_on", "tokens_on", "kl_all", "tokens", "samples", "reward", "off_policy", "attn_sq")
+         "kl_on", "tokens_on", "kl_all", "tokens", "samples", "reward", "off_policy", "attn_sq", "kl_ref")
 
 
 def train_step(
     policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
     batches: list[Batch], *, loss_fns: dict[str, LossFn], ctx: DistContext, step: int,
     max_grad_norm: float | None, n_params: int = 0, wait_s: float = 0.0, forward_batch: int = 1,
+    reference: nn.Module | None = None, kl_penalty_coef: float = 0.0,
 ) -> dict[str, float]:
     """Forward/backward every local micro-batch, clip, step AdamW (unless the gradient is not finite) and the
     schedule; return the step's metrics.
@@ -105,7 +107,7 @@ def train_step(
     groups = [batches[i : i + forward_batch] for i in range(0, len(batches), forward_batch)]
     for i, group in enumerate(groups):
         set_grad_sync(policy, i == len(groups) - 1)
-        _forward_backward(policy, group, loss_fns, mode_tokens, ctx.world_size, sums)
+        _forward_backward(policy, group, loss_fns, mode_tokens, ctx.world_size, sums, reference, kl_penalty_coef)
     grad_norm = _clip(policy, max_grad_norm)
     lr = optimizer.param_groups[0]["lr"]
     finite = math.isfinite(grad_norm)  # the same on every rank: the norm is over the whole model
@@ -120,24 +122,29 @@ def train_step(
     metrics = _metrics(dict(zip(_SUMS, sums.tolist(), strict=True)), policy, grad_norm, lr, step_s, wait_s,
                        n_params, ctx, device)
     metrics["skipped_nonfinite"] = 0.0 if finite else 1.0
+    if reference is not None:
+        metrics["kl_ref"] = sums[_SUMS.index("kl_ref")].item() / max(mode_tokens["rl"], 1.0)
     return metrics
 
 
 def _forward_backward(policy: nn.Module, group: list[Batch], loss_fns: dict[str, LossFn],
-                      mode_tokens: dict[str, float], world_size: int, sums: Tensor) -> None:
+                      mode_tokens: dict[str, float], world_size: int, sums: Tensor,
+                      reference: nn.Module | None = None, kl_penalty_coef: float = 0.0) -> None:
     """One forward/backward pass over the micro-batches of ``group`` (the rows of one padded batch)."""
-    if len(group) == 1:
-        batch = group[0]
-        out = policy(batch.input_ids, batch.position_ids, batch.temperatures)
-        rows = [(batch, out.logprobs, out.entropy)]
-    else:
-        out = policy(*_stack(group))
-        rows = [(b, out.logprobs[r, : len(b.input_ids)], out.entropy[r, : len(b.input_ids)])
-                for r, b in enumerate(group)]
+    rows = _run(policy, group)
+    references = [None] * len(group)
+    if reference is not None and any(b.mode == "rl" for b in group):
+        with torch.no_grad():
+            references = [lp for _, lp, _ in _run(reference, group)]
     total = 0.0
-    for batch, logprobs, entropy in rows:
+    for (batch, logprobs, entropy), ref_logprobs in zip(rows, references, strict=True):
+        advantages = batch.advantages
+        if ref_logprobs is not None and batch.mode == "rl":
+            kl_ref = logprobs.detach() - ref_logprobs
+            advantages = advantages - kl_penalty_coef * kl_ref
+            sums[_SUMS.index("kl_ref")] += torch.where(batch.loss_mask, kl_ref, 0.0).sum() * batch.weight
         inputs = LossInputs(logprobs=logprobs, inference_logprobs=batch.inference_logprobs,
-                            advantages=batch.advantages, loss_mask=batch.loss_mask,
+                            advantages=advantages, loss_mask=batch.loss_mask,
                             teacher_logprobs=batch.teacher_logprobs)
         terms = loss_fns[batch.mode](inputs)
         loss = reduce_loss(terms, batch.loss_mask, mode_tokens[batch.mode])
@@ -145,6 +152,16 @@ def _forward_backward(policy: nn.Module, group: list[Batch], loss_fns: dict[str,
         if batch.weight:
             _add_metrics(sums, batch, logprobs.detach(), entropy, terms.masked, loss.detach())
     total.backward()
+
+
+def _run(model: nn.Module, group: list[Batch]) -> list[tuple[Batch, Tensor, Tensor]]:
+    """(batch, logprobs, entropy) of each micro-batch of ``group``, in one forward pass."""
+    if len(group) == 1:
+        batch = group[0]
+        out = model(batch.input_ids, batch.position_ids, batch.temperatures)
+        return [(batch, out.logprobs, out.entropy)]
+    out = model(*_stack(group))
+    return [(b, out.logprobs[r, : len(b.input_ids)], out.entropy[r, : len(b.input_ids)]) for r, b in enumerate(group)]
 
 
 def _stack(group: list[Batch]) -> tuple[Tensor, Tensor, Tensor]:

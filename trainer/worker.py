@@ -78,6 +78,7 @@ class TrainerWorker:
         self.lm_config = lm.config
         self.policy = prepare_model(PolicyModel(lm, self.cfg.logprob_chunk_size, compile_head=self.cfg.compile),
                                     self.ctx, self.device.type, self.cfg.compile)
+        self.reference = self._reference()
         self.optimizer = build_optimizer(self.policy, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg, self.config.run.max_steps)
         self.loss_fns = loss_fns(self.cfg.loss)
@@ -119,6 +120,24 @@ class TrainerWorker:
                                  fix="set ckpt.resume_step = -1 to continue from the latest checkpoint")
             else:
                 await self.tenure.publish([(self.bus.keys.policy(), PolicyVersion(role="trained", step=0))], step=0)
+
+    def _reference(self):
+        """The frozen reference policy of ``trainer.kl_penalty_coef`` (None when the penalty is off)."""
+        from trainer.logprobs import PolicyModel
+        from trainer.model import load_model, resolve_dtype
+        from trainer.weights import weights_dir
+
+        if not self.cfg.kl_penalty_coef:
+            return None
+        step = self.cfg.kl_penalty_reference_step
+        path = self.config.model.path if step is None else weights_dir(self.output_dir, step)
+        if step is not None and not path.exists():
+            raise ConfigError(f"trainer.kl_penalty_reference_step={step}: {path} does not exist (pruned, or not "
+                              "trained yet); pick a step whose weights are there, or unset it for the initial weights")
+        lm = load_model(path, self.device, resolve_dtype(self.config.model.dtype, self.device))
+        reference = PolicyModel(lm, self.cfg.logprob_chunk_size).eval()
+        reference.requires_grad_(False)
+        return reference
 
     async def _run_epoch(self, resume: int | None, made_in: str | None, progress: dict[str, str] | None) -> str:
         """The run's epoch in Redis (written on the first start). Resuming onto a Redis that holds nothing of the
@@ -222,7 +241,8 @@ class TrainerWorker:
         batches = [to_batch(mb, self.device, step) for mb in micro_batches]
         return train_step(self.policy, self.optimizer, self.scheduler, batches, loss_fns=self.loss_fns, ctx=self.ctx,
                           step=step, max_grad_norm=self.cfg.max_grad_norm, n_params=self.n_params, wait_s=wait_s,
-                          forward_batch=self.cfg.forward_batch)
+                          forward_batch=self.cfg.forward_batch, reference=self.reference,
+                          kl_penalty_coef=self.cfg.kl_penalty_coef)
 
     async def publish_weights(self, step: int, republish: bool = False) -> None:
         """Weights of ``step`` to inference servers, then ``trained = step`` (rank 0; every rank gathers)."""
@@ -261,7 +281,7 @@ class TrainerWorker:
         from trainer.weights import prune_weights
 
         await self.tracker.refresh()
-        protected = set(self.tracker.served_by.values()) | {step}
+        protected = set(self.tracker.served_by.values()) | {step, self.cfg.kl_penalty_reference_step or step}
         hold = await self.bus.state_get(EVAL_HOLD_FIELD)
         if hold is not None:  # the servers will load this step for its eval
             protected.add(int(hold))

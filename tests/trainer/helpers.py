@@ -98,7 +98,7 @@ def setup_policy(lr=1e-2, seed=0, **cfg):
     return policy, opt, build_scheduler(opt, tcfg, 10)
 
 
-def step_gradients(mbs, forward_batch=1):
+def step_gradients(mbs, forward_batch=1, **step_kw):
     """Metrics and the (clipped) gradients AdamW is handed in one step. Compare gradients, not updated weights:
     AdamW's first update is ≈ lr·sign(g), so float-rounding noise on a near-zero gradient moves a weight by ~lr."""
     policy, opt, sched = setup_policy()
@@ -108,7 +108,7 @@ def step_gradients(mbs, forward_batch=1):
         grads.update({name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None})
 
     opt.register_step_pre_hook(record)
-    return run_step(policy, opt, sched, mbs, forward_batch=forward_batch), grads
+    return run_step(policy, opt, sched, mbs, forward_batch=forward_batch, **step_kw), grads
 
 
 def assert_same_gradients(a, b, atol=1e-6):
@@ -117,7 +117,7 @@ def assert_same_gradients(a, b, atol=1e-6):
         assert torch.allclose(a[name], b[name], atol=atol), name
 
 
-def run_step(policy, opt, sched, mbs, step=1, forward_batch=1):
+def run_step(policy, opt, sched, mbs, step=1, forward_batch=1, **step_kw):
     batches = [to_batch(mb, CPU, step) for mb in mbs]
     return train_step(policy, opt, sched, batches, loss_fns=loss_fns(DppoLossConfig()), ctx=DistContext(), step=step,
-                      max_grad_norm=1.0, forward_batch=forward_batch)
+                      max_grad_norm=1.0, forward_batch=forward_batch, **step_kw)

@@ -74,3 +74,33 @@ def test_a_non_finite_gradient_is_never_stepped_on():
     metrics = run_step(policy, opt, sched, [micro_batch(2, 0, 1, [(3, 12)])], step=2)
     assert metrics["skipped_nonfinite"] == 0.0
     assert not all(torch.equal(before[name], p) for name, p in policy.named_parameters())
+
+
+@pytest.mark.parametrize("forward_batch", [1, 2])
+def test_kl_penalty_shifts_each_rl_advantage_by_the_reference_log_ratio(forward_batch):
+    from tests.trainer.helpers import CPU, tiny_lm
+    from trainer.logprobs import PolicyModel
+    from trainer.step import to_batch
+
+    mbs = [micro_batch(1, i, 2, [(3, 6), (2, 5)], mode="rl", seed=7) for i in range(2)]
+    coef = 0.5
+    same = PolicyModel(tiny_lm(0), chunk_size=16).eval()  # the policy's own initial weights
+    m0, g0 = step_gradients(mbs, forward_batch=forward_batch)
+    m1, g1 = step_gradients(mbs, forward_batch=forward_batch, reference=same, kl_penalty_coef=coef)
+    assert m1["kl_ref"] == pytest.approx(0.0, abs=1e-6) and "kl_ref" not in m0
+    assert_same_gradients(g0, g1)
+
+    other = PolicyModel(tiny_lm(1), chunk_size=16).eval()
+    m2, g2 = step_gradients(mbs, forward_batch=forward_batch, reference=other, kl_penalty_coef=coef)
+    policy = PolicyModel(tiny_lm(0), chunk_size=16)
+    shifted = []
+    with torch.no_grad():
+        for mb in mbs:
+            b = to_batch(mb, CPU, 1)
+            lp = policy(b.input_ids, b.position_ids, b.temperatures).logprobs
+            ref = other(b.input_ids, b.position_ids, b.temperatures).logprobs
+            adv = mb.advantages - coef * (lp - ref).numpy()
+            shifted.append(mb.model_copy(update={"advantages": adv.astype("float32")}))
+    m3, g3 = step_gradients(shifted, forward_batch=forward_batch)
+    assert m2["kl_ref"] != 0 and m2["loss/rl"] == pytest.approx(m3["loss/rl"], rel=1e-5)
+    assert_same_gradients(g2, g3, atol=1e-5)

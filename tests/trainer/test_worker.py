@@ -240,3 +240,16 @@ def test_weights_that_hold_nan_are_never_published(tmp_path, redis_url, bus, run
     assert asyncio.run(stream(bus, lambda k: k.weights())) == []
     assert [p.step for p in asyncio.run(stream(bus, lambda k: k.policy()))] == [0]
     assert not (tmp_path / "a" / "weights" / "step_1").exists()
+
+
+def test_a_kl_penalty_against_the_initial_weights_reports_kl_ref(tmp_path, redis_url, bus, run_name):
+    model_dir = save_tiny_model(tmp_path / "model")
+    asyncio.run(publish_steps(bus, range(1, 4), count=2))
+    train(make_config(redis_url, run_name, tmp_path / "a", model_dir, run={"max_steps": 3},
+                      trainer={"kl_penalty_coef": 0.1}))
+    metrics = [m.values for m in asyncio.run(stream(bus, lambda k: k.metrics())) if isinstance(m, Metric)]
+    assert metrics[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains the initial weights themselves
+    assert metrics[2]["kl_ref"] != 0.0  # two updates later the policy has moved away from them
+    with pytest.raises(ConfigError, match="kl_penalty_reference_step=99"):
+        train(make_config(redis_url, run_name + "-b", tmp_path / "b", model_dir,
+                          trainer={"kl_penalty_coef": 0.1, "kl_penalty_reference_step": 99}))

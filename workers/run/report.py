@@ -1,8 +1,9 @@
 """The end of a run: ``summary.json`` (what happened, in numbers) and ``report.png`` (the curves).
 
 Both are built from the rows of ``metrics.jsonl`` (see :mod:`workers.run.metrics`) plus the
-group counts. Metric names: the trainer's ``reward_mean`` and ``tokens_per_s``, the packer's
-``packer/groups``, ``packer/stale_groups`` and ``packer/tokens`` per step, the eval's ``eval/{env}/…``.
+group counts. Metric names: the packer's ``packer/reward_mean`` (every sample of the step's groups) and
+``packer/groups``, ``packer/stale_groups`` and ``packer/tokens`` per step, the trainer's ``tokens_per_s``, the
+eval's ``eval/{env}/…``.
 """
 
 import json
@@ -22,8 +23,10 @@ def series(rows: list[Row], key: str, source: str | None = None) -> dict[int, fl
 
 
 def train_reward(rows: list[Row]) -> dict[int, float]:
-    """Mean training reward per step (of the samples the trainer trained on; else the packer's report)."""
-    return series(rows, "reward_mean", "trainer") or series(rows, "packer/reward_mean", "packer")
+    """Mean reward per step of every sample of the step's groups (the policy's reward), as the packer reports it;
+    the trainer's ``reward_mean`` is of the samples the post-batch filters kept (zero-advantage ones go), so it
+    is not the policy's reward. Replays of batches alone have only the trainer's."""
+    return series(rows, "packer/reward_mean", "packer") or series(rows, "reward_mean", "trainer")
 
 
 def stale_fraction(rows: list[Row]) -> dict[int, float]:

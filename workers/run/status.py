@@ -103,7 +103,7 @@ class RunProbe:
             trained=self.tracker.trained,
             served_by=dict(self.tracker.served_by),
             max_steps=self.config.run.max_steps,
-            reward_train=trainer.get("reward_mean", packer.get("packer/reward_mean")),
+            reward_train=packer.get("packer/reward_mean", trainer.get("reward_mean")),
             reward_eval={k.split("/", 1)[1]: v for k, v in self.eval.get(last_eval, {}).items()
                          if k.endswith("/reward") or k.endswith("/pass@1")},
             eval_step=last_eval,

@@ -22,8 +22,9 @@ def _rows():
 
 def test_report_series_and_summary(tmp_path):
     rows = _rows()
-    assert train_reward(rows)[4] == 0.9
-    assert stale_fraction(rows)[3] == pytest.approx(1 / 5)
+    assert train_reward(rows)[4] == 0.9  # replays of batches alone: the trainer's reward
+    with_packer = rows + [{"id": "4-9", "source": "packer", "step": 4, "at": 105.0, "packer/reward_mean": 0.3}]
+    assert train_reward(with_packer) == {4: 0.3}  # the policy's reward (every sample), not the filtered ones    assert stale_fraction(rows)[3] == pytest.approx(1 / 5)
     assert rollout_tokens_per_s(rows)[2] == pytest.approx(400.0)
     summary = build_summary(rows, run="r", steps_trained=5, max_steps=5, wall_s=12.0, groups={"produced": 1},
                             restarts={"trainer": 1}, stopped_because="max_steps")
