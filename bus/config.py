@@ -49,7 +49,8 @@ def redact(url: str | None) -> str | None:
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, defaults are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, populate_by_name=True,
+                              use_attribute_docstrings=True)
 
 
 class RedisConfig(Section):

@@ -12,6 +12,7 @@ from bus.config import Section
 
 class DppoLossConfig(Section):
     type: Literal["dppo"] = "dppo"
+    """Selects this loss: ``dppo``."""
     adv_tau: float = Field(1.0, ge=0)
     """Weight of the advantage term."""
     kl_tau: float = Field(1e-3, ge=0)
@@ -24,6 +25,7 @@ class DppoLossConfig(Section):
 
 class CispoLossConfig(Section):
     type: Literal["cispo"] = "cispo"
+    """Selects this loss: ``cispo``."""
     eps_low: float = Field(0.2, ge=0)
     """Lower clip of the importance ratio: 1 − eps_low."""
     eps_high: float = Field(0.28, ge=0)
@@ -34,6 +36,7 @@ class CispoLossConfig(Section):
 
 class PpoLossConfig(Section):
     type: Literal["ppo"] = "ppo"
+    """Selects this loss: ``ppo``."""
     clip_low: float = Field(0.2, ge=0)
     """Lower clip of the ratio: 1 − clip_low."""
     clip_high: float = Field(0.2, ge=0)
@@ -44,6 +47,7 @@ class PpoLossConfig(Section):
 
 class CustomLossConfig(Section):
     type: Literal["custom"] = "custom"
+    """Selects this loss: ``custom``."""
     import_path: str
     """``package.module:function(inputs: LossInputs, **kwargs) -> LossTerms`` (see trainer.losses.dppo_loss)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)

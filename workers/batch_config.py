@@ -32,6 +32,7 @@ class FilterSpec(Section):
 
 class GibberishFilterConfig(FilterSpec):
     type: Literal["gibberish"] = "gibberish"
+    """Selects this filter: ``gibberish``."""
     token_id_threshold: int = 100_000
     """Token ids above this are candidates (BPE ids are sorted by merge order)."""
     logprob_offset: float = 2.0
@@ -40,6 +41,7 @@ class GibberishFilterConfig(FilterSpec):
 
 class RepetitionFilterConfig(FilterSpec):
     type: Literal["repetition"] = "repetition"
+    """Selects this filter: ``repetition``."""
     window: int = Field(3_000, ge=1)
     """Consecutive high-probability tokens that flag a sample."""
     prob_threshold: float = Field(0.99, gt=0, le=1)
@@ -48,6 +50,7 @@ class RepetitionFilterConfig(FilterSpec):
 
 class ZeroAdvantageFilterConfig(FilterSpec):
     type: Literal["zero_advantage"] = "zero_advantage"
+    """Selects this filter: ``zero_advantage``."""
     enforce: bool = True
     """True (as in prime-rl and ART): drop rl samples whose advantage is 0 (every sample of their group scored the
     same), so they take no place in the batch nor in the loss normaliser; the pre-batch slot lists it monitor-only."""

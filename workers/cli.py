@@ -25,10 +25,11 @@ ROLES: dict[str, tuple[str, str]] = {
     "replay": ("workers.tools.replay:main", "copy recorded rollouts or batches of one run into another run"),
     "redis": ("workers.tools.redis_server:main", "run a private redis-server in the foreground and print its URL"),
     "init-model": ("workers.tools.init_model:main", "build a random-init tiny/small Qwen3 with a byte-level tokenizer"),
+    "config": ("workers.tools.config_tool:main", "write the config reference, or convert a prime-rl config"),
 }
 """Role name → ("module:function", one-line description)."""
 
-NO_CONFIG_ROLES = {"inspect", "redis", "init-model", "replay"}
+NO_CONFIG_ROLES = {"inspect", "redis", "init-model", "replay", "config"}
 """Roles that get ``config=None`` when no @file or override was given."""
 
 

@@ -124,6 +124,15 @@ class InferenceConfig(Section):
     """Extra command-line arguments for the vLLM server."""
 
 
+class StatusConfig(Section):
+    log_interval_seconds: float = Field(60.0, gt=0)
+    """Off a terminal, ``rlbus run`` prints a short line per step and a full ``[status]`` block this often
+    (ART's ``log_interval_seconds``). On a terminal the live panel shows everything instead."""
+
+    ewa_alpha: float = Field(0.2, gt=0, le=1, validation_alias=AliasChoices("ewa_alpha", "status_ewa_alpha"))
+    """Weight of the newest step in the block's smoothed values (ART's ``status_ewa_alpha``)."""
+
+
 class WandbConfig(Section):
     project: str
     """W&B project."""
@@ -159,21 +168,39 @@ class RlbusConfig(Section):
     time, tokens/s and trainer idle time."""
 
     run: RunConfig = Field(default_factory=RunConfig)
+    """The run's name, output directory, seed and length."""
     redis: RedisConfig = Field(default_factory=RedisConfig)
+    """Where the run's streams live and how workers read them."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy being trained (prime-rl's ``[student]`` is read as this)."""
     teacher: TeacherConfig | None = None
+    """The teacher of opd and sft envs (prime-rl's ``[teacher_model]`` is read as this); None: no teacher."""
     env: list[EnvConfig] = Field(default_factory=list)
+    """Training environments (``[[env]]``)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Training sampling shared by every env (each may override fields)."""
     feeder: FeederConfig = Field(default_factory=FeederConfig)
+    """Turning datasets into tasks: the in-flight cap, shuffling, epochs."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout workers: processes, concurrency, rate limits, retries."""
     filter: FilterConfig = Field(default_factory=FilterConfig)
+    """Advantages and the pre-batch sample filters."""
     packer: PackerConfig = Field(default_factory=PackerConfig)
+    """Steps: batch sizes, staleness, packing, the post-batch filters."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Optimisation, losses, weight publication."""
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """The policy's inference servers and their clients."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation environments, schedule and sampling."""
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    """Trainer checkpoints and resuming."""
     log: LogConfig = Field(default_factory=LogConfig)
+    """Log level and format of every worker."""
+    status: StatusConfig = Field(default_factory=StatusConfig)
+    """What ``rlbus run`` prints off a terminal."""
     wandb: WandbConfig | None = None
+    """Weights & Biases logging by ``rlbus run``; None: off."""
 
     @model_validator(mode="before")
     @classmethod

@@ -44,6 +44,22 @@ def rollout_tokens_per_s(rows: list[Row]) -> dict[int, float]:
             if at > prev_at}
 
 
+def bench_numbers(rows: list[Row], warmup_steps: int = 1) -> dict[str, float]:
+    """``bench = true``: means over the steps after the warm-up of step time, trainer and rollout tokens/s and
+    trainer idle time (empty when no step was measured)."""
+    measured = {s for s in series(rows, "step_time_s", "trainer") if s > warmup_steps}
+    if not measured:
+        return {}
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    out = {name: mean([v for s, v in series(rows, key, "trainer").items() if s in measured])
+           for name, key in (("step_s", "step_time_s"), ("train_tokens_per_s", "tokens_per_s"),
+                             ("trainer_idle_s", "wait_s"))}
+    rollout = [v for s, v in rollout_tokens_per_s(rows).items() if s in measured]
+    if rollout:
+        out["rollout_tokens_per_s"] = mean(rollout)
+    return {"steps": float(len(measured)), **out}
+
+
 def eval_results(rows: list[Row]) -> dict[int, dict[str, float]]:
     """Eval step → its metrics (all eval envs merged)."""
     out: dict[int, dict[str, float]] = {}
@@ -148,5 +164,10 @@ def summary_text(summary: dict[str, Any], output_dir: Path) -> str:
     )
     restarts = {k: v for k, v in summary["restarts"].items() if v}
     lines.append(f"  restarts: {restarts or 'none'}")
+    if summary.get("bench"):
+        b = summary["bench"]
+        lines.append(f"  bench ({b['steps']:.0f} steps after 1 warm-up): step {b['step_s']:.3f} s, train "
+                     f"{b['train_tokens_per_s']:.0f} tok/s, rollouts {b.get('rollout_tokens_per_s', 0):.0f} tok/s, "
+                     f"trainer idle {b['trainer_idle_s']:.3f} s")
     lines.append(f"  files: {output_dir / 'summary.json'}, {output_dir / 'metrics.jsonl'}, {output_dir / 'report.png'}")
     return "\n".join(lines)

@@ -41,9 +41,10 @@ from workers.envs.registry import load_env
 from workers.run.accounting import group_counts
 from workers.run.eval import EvalCoordinator
 from workers.run.metrics import MetricsWriter
-from workers.run.report import build_summary, summary_text, write_report, write_summary
+from workers.run.report import bench_numbers, build_summary, summary_text, write_report, write_summary
 from workers.run.resolved import child_password, dump_toml, needs_teacher_server, resolve, torch_threads
-from workers.run.status import RunProbe, plain_line, render
+from workers.run.status import RunProbe, render
+from workers.run.status_report import StatusReporter
 from workers.run.supervisor import ChildSpec, Supervisor
 
 RUN_STATE = ("redis", "weights", "checkpoints", "logs", "wandb", "metrics.jsonl", "summary.json", "report.png")
@@ -278,6 +279,7 @@ class RunSession:
         done_at: float | None = None
         last_line_step = -1
         live = Live(console=Console(), refresh_per_second=4, transient=False) if self.tty else None
+        reporter = StatusReporter(self.config.status.log_interval_seconds, self.config.status.ewa_alpha)
         if live is not None:
             live.start()
         try:
@@ -287,9 +289,13 @@ class RunSession:
                 snap.events = self.events
                 if live is not None:
                     live.update(render(snap, f"rlbus run {self.config.run.name}"))
-                elif snap.trained != last_line_step:
-                    print(plain_line(snap), flush=True)
-                    last_line_step = snap.trained
+                else:
+                    if snap.trained != last_line_step:
+                        reporter.observe(snap)
+                        print(reporter.step_line(snap), flush=True)
+                        last_line_step = snap.trained
+                    if reporter.block_due(snap):
+                        print(reporter.block(snap), flush=True)
                 failed = self._failed_background()
                 if failed:
                     self.fatal, self.stopped_because = failed, "error"
@@ -359,6 +365,8 @@ class RunSession:
         )
         if self.fatal:
             summary["error"] = self.fatal
+        if self.config.bench:
+            summary["bench"] = bench_numbers(rows)
         write_summary(summary, self.output_dir)
         try:
             write_report(rows, self.output_dir, title=f"rlbus run {self.config.run.name}")

@@ -1,8 +1,9 @@
-"""What a person watching a run sees: a live rich panel on a TTY, one plain line per step otherwise.
+"""What a person watching a run sees: a live rich panel on a TTY (:func:`render`); otherwise the lines
+of :mod:`workers.run.status_report`.
 
 :class:`RunProbe` gathers a :class:`Snapshot` from Redis (policy versions, state counters,
 ``XINFO GROUPS`` lag and pending of every stream, dead letters) and from the metrics rows the
-run has read; :func:`render` draws it; :func:`plain_line` is the non-TTY form.
+run has read.
 """
 
 import time
@@ -76,7 +77,8 @@ class RunProbe:
         if source == "eval" and row.get("step") is not None:
             self.eval.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if k.startswith("eval/")})
         self.latest.setdefault(source, {}).update(row)
-        for key in ("packer/groups", "packer/stale_groups", "filter/groups_dropped"):
+        for key in ("packer/groups", "packer/stale_groups", "filter/groups_dropped", "rollout/train_groups",
+                    "filter/zero_advantage/dropped", "packer/filter/zero_advantage/dropped"):
             if key in row:
                 self.sums[key] = self.sums.get(key, 0.0) + float(row[key])
         if source == "rollout" and "tokens_generated" in row:  # completion tokens of each group
@@ -99,7 +101,7 @@ class RunProbe:
         await self.tracker.refresh()
         trainer, packer = self.latest.get("trainer", {}), self.latest.get("packer", {})
         last_eval = max(self.eval) if self.eval else None
-        return Snapshot(
+        snap = Snapshot(
             trained=self.tracker.trained,
             served_by=dict(self.tracker.served_by),
             max_steps=self.config.run.max_steps,
@@ -116,11 +118,19 @@ class RunProbe:
             lags=await self.stream_lags(),
             elapsed_s=time.monotonic() - self.started,
         )
+        running = sum(lag.pending for lag in snap.lags if lag.group == "rollout")  # tasks a rollout worker holds
+        snap.counters["rollouts_started"] = snap.counters["rollouts_finished"] + running
+        return snap
 
     def counters(self) -> dict[str, int]:
-        """Groups packed, dropped as stale and dropped by filters, summed over the metrics seen so far."""
-        return {"groups_packed": int(self.sums.get("packer/groups", 0)), "groups_stale": int(self.sums.get("packer/stale_groups", 0)),
-                "groups_filtered": int(self.sums.get("filter/groups_dropped", 0))}
+        """Sums over the metrics seen so far: groups packed, dropped as stale and dropped by filters, rollouts
+        finished (training groups) and zero-advantage samples dropped (either filter slot)."""
+        s = self.sums
+        return {"groups_packed": int(s.get("packer/groups", 0)), "groups_stale": int(s.get("packer/stale_groups", 0)),
+                "groups_filtered": int(s.get("filter/groups_dropped", 0)),
+                "rollouts_finished": int(s.get("rollout/train_groups", 0)),
+                "samples_zero_variance": int(s.get("filter/zero_advantage/dropped", 0)
+                                             + s.get("packer/filter/zero_advantage/dropped", 0))}
 
     async def stream_lags(self) -> list[StreamLag]:
         keys = self.bus.keys
@@ -143,11 +153,11 @@ class RunProbe:
         return out
 
 
-def _num(value: float | None, fmt: str = "{:.3f}") -> str:
+def fmt_num(value: float | None, fmt: str = "{:.3f}") -> str:
     return "—" if value is None else fmt.format(value)
 
 
-def _rate(value: float | None) -> str:
+def fmt_rate(value: float | None) -> str:
     if value is None:
         return "—"
     return f"{value / 1000:.1f}k" if value >= 1000 else f"{value:.0f}"
@@ -166,9 +176,9 @@ def render(snap: Snapshot, title: str) -> Panel:
     evals = "  ".join(f"{k} {v:.3f}" for k, v in snap.reward_eval.items()) or "—"
     c = snap.counters
     served = ", ".join(f"{k}={v}" for k, v in sorted(snap.served_by.items())) or "—"
-    stats.add_row("reward (train)", _num(snap.reward_train), "eval" + (f" @{snap.eval_step}" if snap.eval_step is not None else ""), evals)
-    stats.add_row("tokens/s rollouts", _rate(snap.gen_tokens_per_s), "tokens/s train", _rate(snap.train_tokens_per_s))
-    stats.add_row("step time", _num(snap.step_s, "{:.2f}s"), "trainer idle", _num(snap.trainer_idle_s, "{:.2f}s"))
+    stats.add_row("reward (train)", fmt_num(snap.reward_train), "eval" + (f" @{snap.eval_step}" if snap.eval_step is not None else ""), evals)
+    stats.add_row("tokens/s rollouts", fmt_rate(snap.gen_tokens_per_s), "tokens/s train", fmt_rate(snap.train_tokens_per_s))
+    stats.add_row("step time", fmt_num(snap.step_s, "{:.2f}s"), "trainer idle", fmt_num(snap.trainer_idle_s, "{:.2f}s"))
     stats.add_row("groups packed", str(c.get("groups_packed", 0)),
                   "stale / filtered / errored", f"{c.get('groups_stale', 0)} / {c.get('groups_filtered', 0)} / {snap.dead}")
     stats.add_row("policy trained", str(snap.trained), "served", served)
@@ -181,19 +191,3 @@ def render(snap: Snapshot, title: str) -> Panel:
         parts.append(Text("restarts: " + ", ".join(f"{k}×{v}" for k, v in sorted(restarts.items())), style="yellow"))
     parts += [Text(e, style="dim") for e in snap.events[-4:]]
     return Panel(Group(*parts), title=title, border_style="blue")
-
-
-def plain_line(snap: Snapshot) -> str:
-    """One log line per step (stdout is not a TTY)."""
-    c = snap.counters
-    evals = " ".join(f"eval/{k}={v:.3f}" for k, v in snap.reward_eval.items())
-    lags = " ".join(f"{lag.name}[{lag.group}]={lag.lag if lag.lag is not None else lag.length}+{lag.pending}"
-                    for lag in snap.lags)
-    served = ",".join(f"{k}={v}" for k, v in sorted(snap.served_by.items()))
-    return (
-        f"step {snap.trained}/{snap.max_steps or '∞'} t={snap.elapsed_s:.0f}s reward={_num(snap.reward_train)} {evals} "
-        f"gen_tok_s={_rate(snap.gen_tokens_per_s)} train_tok_s={_rate(snap.train_tokens_per_s)} "
-        f"step_s={_num(snap.step_s, '{:.2f}')} idle_s={_num(snap.trainer_idle_s, '{:.2f}')} "
-        f"packed={c.get('groups_packed', 0)} stale={c.get('groups_stale', 0)} "
-        f"filtered={c.get('groups_filtered', 0)} errored={snap.dead} served={served} lag: {lags}"
-    ).replace("  ", " ")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from workers.run.report import build_summary, rollout_tokens_per_s, stale_fraction, train_reward, write_report
+from workers.run.report import build_summary, rollout_tokens_per_s, train_reward, write_report
 
 
 def _rows():
@@ -35,3 +35,15 @@ def test_report_series_and_summary(tmp_path):
     json.dumps(summary)
     path = write_report(rows, tmp_path, title="t")
     assert path.stat().st_size > 10_000
+
+
+def test_bench_numbers_leave_out_the_warm_up_step():
+    from workers.run.report import bench_numbers
+
+    rows = [{"id": f"{s}", "source": "trainer", "step": s, "at": 100.0 + s, "step_time_s": 9.0 if s == 1 else 0.5,
+             "tokens_per_s": 100.0 * s, "wait_s": 0.1} for s in range(1, 5)]
+    rows += [{"id": f"p{s}", "source": "packer", "step": s, "at": 99.0 + s, "packer/tokens": 200.0} for s in range(1, 5)]
+    numbers = bench_numbers(rows)
+    assert numbers == {"steps": 3.0, "step_s": 0.5, "train_tokens_per_s": pytest.approx(300.0),
+                       "trainer_idle_s": pytest.approx(0.1), "rollout_tokens_per_s": pytest.approx(200.0)}
+    assert bench_numbers([]) == {}

@@ -148,6 +148,18 @@ def test_a_few_steps_end_to_end(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_runs_four_steps_without_eval_and_reports_the_measured_three(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    proc = start_run(out, tiny_model_dir, "--bench")
+    assert wait_exit(proc, out, 120) == 0, stdout_of(out)[-4000:]
+    s = summary(out)
+    assert (s["steps_trained"], s["max_steps"], s["eval"]) == (4, 4, {})
+    assert s["bench"]["steps"] == 3 and s["bench"]["step_s"] > 0 and s["bench"]["train_tokens_per_s"] > 0
+    assert "bench (3 steps after 1 warm-up): step " in stdout_of(out)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_run_whose_data_runs_out_trains_its_last_partial_step_and_ends(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
