@@ -236,3 +236,28 @@ def test_kill_9_mid_group_is_redone_exactly_once(stack):
     survivor = workers["rb" if victim == "ra" else "ra"]
     survivor.send_signal(signal.SIGTERM)
     assert survivor.wait(30) == 0
+
+
+def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
+    name = f"late{uuid.uuid4().hex[:4]}"
+    env = {"id": "tests.workers.stages.rollout_envs:slow_echo", "name": name, "group_size": 1, "max_retries": 1,
+           "rollout_timeout_s": 0.5, "args": {"step_s": 1.5}}
+    config = load_config([stack.config([env])], [])
+    before = int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD) or 0)
+    stack.publish([_task(name, 0, 1)], inflight=1)
+
+    async def main():
+        worker = RolloutWorker(config, worker="r-timeout")
+        await worker.setup()
+        running = asyncio.create_task(worker.run())
+        deadline = time.monotonic() + 60
+        while not stack.dead() and time.monotonic() < deadline and not running.done():
+            await asyncio.sleep(0.1)
+        worker.request_stop()
+        await running
+        await worker.close()
+
+    asyncio.run(main())
+    (letter,) = [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
+    assert "rollout_timeout_s=0.5" in letter.reason and "after 2 attempts" in letter.reason
+    assert stack.groups(name) == [] and int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == before
