@@ -93,3 +93,20 @@ def test_a_group_that_breaks_the_filter_goes_dead_alone(bus, redis_url, run_name
             assert await pending(b, b.keys.rollouts(ENV), GROUP_FILTER) == 0
 
     asyncio.run(main())
+
+
+def test_each_env_computes_advantages_with_its_own_settings(redis_url, run_name, model_dir):
+    from workers.config import RlbusConfig
+
+    cfg = RlbusConfig.model_validate({
+        "run": {"name": run_name}, "redis": {"url": redis_url}, "model": {"path": str(model_dir)},
+        "filter": {"advantage": {"length_penalty": 0.0}},
+        "env": [{"id": "reverse_text", "name": ENV, "group_size": 2, "advantage": {"std_normalize": True}},
+                {"id": "reverse_text", "name": "plain", "group_size": 2}]})
+    worker = FilterWorker(cfg, worker="filter-0", vocab_size=300)
+    normalised = group(1, [1.0, 0.0, 0.0, 0.0])
+    plain = group(2, [1.0, 0.0, 0.0, 0.0]).model_copy(update={"env": "plain"})
+    worker.filter_group(normalised)
+    worker.filter_group(plain)
+    assert [round(s.advantage, 3) for s in plain.samples] == [0.75, -0.25, -0.25, -0.25]
+    assert normalised.samples[0].advantage == pytest.approx(0.75 / 0.433, rel=1e-2)  # divided by the group's std

@@ -288,3 +288,27 @@ def test_a_second_packer_waits_as_a_standby_and_takes_over_the_first_ones_groups
             await first.close()
 
     asyncio.run(main())
+
+
+def test_a_dynamic_batch_takes_what_is_queued_up_to_max_batch_size(bus, redis_url, run_name, model_dir):
+    cfg = config(redis_url, run_name, model_dir, max_batch_size=8)  # batch_size 4: two groups of 2 at least
+
+    async def main():
+        async with bus("test") as b:
+            await b.state_set(**{"inflight": 12})
+            await publish_trained(b, 0)
+            stream = b.keys.filtered(ENV)
+            for uid in range(1, 7):  # six groups (12 samples) queued before the packer looks
+                await b.publish(stream, group(uid, [1.0, 0.0]))
+            worker = PackerWorker(cfg, worker="packer-0")
+            await worker.setup()
+            task = asyncio.create_task(worker.run())
+            while not await b.redis.exists(b.keys.batches(2)):
+                await asyncio.sleep(0.05)
+            worker.request_stop()
+            await asyncio.wait_for(task, 5)
+            await worker.close()
+            rows = [Metric.from_fields(f) for _, f in await b.redis.xrange(b.keys.metrics())]
+            assert [(m.step, m.values["packer/samples"]) for m in rows] == [(1, 8.0), (2, 4.0)]
+
+    asyncio.run(main())
