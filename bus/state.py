@@ -24,7 +24,8 @@ STOP_REASON_FIELD = "stop_reason"
 """Why the run stopped (set by the filter on collapse; read by ``rlbus run`` and the status panel)."""
 
 FEEDER_DONE_FIELD = "feeder:done"
-"""Set (to ``1``) once every env has issued its ``feeder.max_epochs``: no more training tasks will come."""
+"""The ``feeder.max_epochs`` every env has issued (set when the last task is out). It counts only for a config with
+that same ``max_epochs``: a run resumed with more epochs is not exhausted."""
 
 DATA_EXHAUSTED = "data exhausted"
 """The ``stop_reason`` of a run whose data ran out: the packer sets it once the last (partial) step is built."""
@@ -40,6 +41,17 @@ that went back to an older copy of the run (its steps are behind the trainer's) 
 
 EVAL_HOLD_FIELD = "eval:hold"
 """Inference servers serve no weights newer than this step while evals run (absent: no hold)."""
+
+
+async def exhausted_at(bus: Bus, max_epochs: int | None) -> int | None:
+    """The last step of a run whose data ran out (``stop_reason`` = :data:`DATA_EXHAUSTED` for these
+    ``max_epochs``), or None while more data may come."""
+    reason, done, last = await bus.redis.hmget(bus.keys.state(), [STOP_REASON_FIELD, FEEDER_DONE_FIELD, LAST_STEP_FIELD])
+    if max_epochs is None or reason is None or done is None:
+        return None
+    if reason.decode() != DATA_EXHAUSTED or done.decode() != str(max_epochs):
+        return None
+    return int(last or 0)
 
 
 def is_progress_field(name: str) -> bool:

@@ -16,6 +16,7 @@ data positions (feeder cursors, consumed tasks) are older than the weights and w
 import asyncio
 import os
 import socket
+import uuid
 
 from bus.commit import CommitConflict
 from bus.config import redis_password
@@ -25,7 +26,7 @@ from bus.messages import Message
 from bus.resp import as_str
 from bus.state import TRAINER_FIELD
 from bus.streams import Bus
-from trainer.dist import DistContext
+from trainer.dist import DistContext, broadcast_object
 from workers.config import RlbusConfig
 
 _POLL_S = 0.5
@@ -33,10 +34,9 @@ _POLL_S = 0.5
 
 
 def holder_id(ctx: DistContext) -> str:
-    """One id per trainer group: its rendezvous address for several ranks (the same on each), else host and pid."""
-    if ctx.distributed:
-        return f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '0')}"
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """One id per trainer group, unique across hosts and restarts: rank 0's host, pid and a random part, sent to
+    every rank of its group (two groups may well share a rendezvous address such as torchrun's default)."""
+    return broadcast_object(f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}", ctx)
 
 
 class TrainerTenure:

@@ -26,7 +26,7 @@ from bus.state import (
     EVAL_HOLD_FIELD,
     LAST_STEP_FIELD,
     RUN_EPOCH_FIELD,
-    STOP_REASON_FIELD,
+    exhausted_at,
     is_progress_field,
 )
 from bus.weight_files import weights_root
@@ -232,8 +232,8 @@ class TrainerWorker:
 
     async def _data_exhausted_before(self, step: int) -> bool:
         """Whether the data ran out and the packer's last step comes before ``step`` (no batches will come)."""
-        reason, last = await self.bus.redis.hmget(self.bus.keys.state(), [STOP_REASON_FIELD, LAST_STEP_FIELD])
-        return reason is not None and reason.decode() == DATA_EXHAUSTED and int(last or 0) < step
+        last = await exhausted_at(self.bus, self.config.feeder.max_epochs)
+        return last is not None and last < step
 
     def train(self, step: int, micro_batches: list[MicroBatch], wait_s: float) -> dict[str, float]:
         from trainer.step import to_batch, train_step

@@ -12,7 +12,8 @@ class FeederConfig(Section):
     max_inflight_rollouts: int | None = Field(None, ge=1)
     """Rollouts (samples) issued by the feeder and not yet consumed by the packer (queued tasks, running groups,
     groups waiting in rollouts:/filtered: streams and held by the packer), across the run; None =
-    batch_size × oversampling_factor + (largest group_size − 1), so a full batch can always form. When the cap is
+    batch_size (packer.max_batch_size when set) × oversampling_factor + (largest group_size − 1), so a full batch
+    can always form. When the cap is
     reached and every in-flight sample is held by the packer, it packs a smaller step rather than wait."""
 
     oversampling_factor: float | None = Field(None, gt=0)

@@ -287,7 +287,7 @@ class RlbusConfig(Section):
         """Rollouts (samples) in flight between the feeder and the packer."""
         if self.feeder.max_inflight_rollouts is not None:
             return self.feeder.max_inflight_rollouts
-        batch = self.batch_size() or 0
+        batch = self.packer.max_batch_size or self.batch_size() or 0  # room for a dynamic batch to grow
         factor = self.feeder.oversampling_factor if self.feeder.oversampling_factor is not None else 1.0
         largest = max((e.group_size for e in self.env), default=1)
         return max(largest, int(batch * factor) + largest - 1)

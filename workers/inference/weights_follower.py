@@ -144,6 +144,7 @@ class WeightsFollower:
                     raise
                 self.log.info("weights_waiting", step=event.step, dir=event.dir, error=str(e),
                               hint="ckpt.wait_for_weights_timeout: the directory may still be being written")
+                await heartbeat(self.bus, self.server_id)  # still alive (and still serving the older weights)
                 await asyncio.sleep(RECHECK_S)
 
 

@@ -34,7 +34,7 @@ from bus.errors import CONFIG_EXIT_CODE, ConfigError, RlbusError
 from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv
 from bus.log import get_logger
 from bus.messages import Metric
-from bus.state import DATA_EXHAUSTED, LAST_STEP_FIELD, STOP_REASON_FIELD
+from bus.state import DATA_EXHAUSTED, STOP_REASON_FIELD, exhausted_at
 from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.envs.registry import load_env
@@ -302,8 +302,8 @@ class RunSession:
                     break
                 reason = await bus.state_get(STOP_REASON_FIELD)
                 if reason == DATA_EXHAUSTED:
-                    last = int(await bus.state_get(LAST_STEP_FIELD) or 0)
-                    if snap.trained >= last:  # the last partial step is trained
+                    last = await exhausted_at(bus, self.config.feeder.max_epochs)
+                    if last is not None and snap.trained >= last:  # the last partial step is trained
                         self.stopped_because = DATA_EXHAUSTED
                         break
                 elif reason:

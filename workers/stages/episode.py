@@ -26,6 +26,15 @@ from workers.env_config import EvalSamplingConfig, SamplingConfig
 
 Sampling = SamplingConfig | EvalSamplingConfig
 
+
+@dataclass(frozen=True)
+class Limit:
+    """What bounds the model turns of one group's episodes: its sampling (per-turn cap) and its total budget."""
+
+    sampling: Sampling
+    total_tokens: int | None = None
+    """Model tokens over all turns of one episode (None: no such budget)."""
+
 END_OF_TURN = "<|im_end|>"
 """ChatML's end-of-turn token; tokenizers without it use their eos token."""
 
@@ -167,33 +176,35 @@ class GroupRunner:
                   max_total_tokens: int | None = None) -> tuple[list[Sample], dict]:
         """The group's samples and its timings (``generate_s``, ``env_s``, ``score_s``, ``teacher_s``); an episode
         ends truncated once its model turns spent ``max_total_tokens`` (None: no budget over turns)."""
-        self.max_total_tokens = max_total_tokens
+        limit = Limit(sampling, max_total_tokens)
         timer = Timer()
         initial = await timer.time("env_s", env.initial(index=task.example_index))
         prompt_ids = self.chat.prompt(initial["messages"])
         server = self.client.pick_server()
-        first = await timer.time("generate_s", self._sample(prompt_ids, task.group_size, sampling, server))
+        first = await timer.time("generate_s", self._sample(prompt_ids, task.group_size, limit, server))
         episodes = []
         for choice in first.choices:
             ep = Episode(list(prompt_ids), list(initial["messages"]), dict(initial.get("state") or {}))
             self._add_turn(ep, choice, self._versions(first, task))
             episodes.append(ep)
-        await asyncio.gather(*(self._play(ep, task, env, sampling, max_turns, server, timer) for ep in episodes))
+        await asyncio.gather(*(self._play(ep, task, env, limit, max_turns, server, timer) for ep in episodes))
         await asyncio.gather(*(self._score(ep, task, env, timer) for ep in episodes))
         if task.mode == "opd":
             await asyncio.gather(*(self._teacher_logprobs(ep, timer) for ep in episodes))
         temperature = 1.0 if sampling.temperature is None else sampling.temperature  # None: the server's default
         return [ep.to_sample(temperature) for ep in episodes], timer.totals
 
-    def _budget(self, length: int, sampling: Sampling, spent: int = 0) -> int:
+    def _budget(self, length: int, limit: Limit, spent: int = 0) -> int:
         """Tokens the next model turn may take: the context left, the per-turn cap, the episode's budget left."""
         left = self.max_model_len - length
-        if self.max_total_tokens is not None:
-            left = min(left, self.max_total_tokens - spent)
-        return left if sampling.max_completion_tokens is None else min(left, sampling.max_completion_tokens)
+        if limit.total_tokens is not None:
+            left = min(left, limit.total_tokens - spent)
+        per_turn = limit.sampling.max_completion_tokens
+        return left if per_turn is None else min(left, per_turn)
 
-    async def _sample(self, ids: list[int], n: int, sampling: Sampling, server: int, spent: int = 0):
-        budget = self._budget(len(ids), sampling, spent)
+    async def _sample(self, ids: list[int], n: int, limit: Limit, server: int, spent: int = 0):
+        sampling = limit.sampling
+        budget = self._budget(len(ids), limit, spent)
         if budget < 1:
             raise RolloutError(
                 f"prompt of {len(ids)} tokens leaves no room under inference.max_model_len={self.max_model_len}; "
@@ -222,7 +233,7 @@ class GroupRunner:
         ep.truncated = choice.finish_reason == "length"
         ep.messages.append({"role": "assistant", "content": self.chat.decode(ids)})
 
-    async def _play(self, ep: Episode, task: Task, env: Any, sampling: Sampling, max_turns: int,
+    async def _play(self, ep: Episode, task: Task, env: Any, limit: Limit, max_turns: int,
                     server: int, timer: Timer) -> None:
         """Env step after every model turn; the next model turn until done, truncated or max_turns."""
         while True:
@@ -233,12 +244,12 @@ class GroupRunner:
             ended = bool(ep.completion_ids) and ep.completion_ids[-1] == self.chat.end_id
             env_ids = self.chat.continuation(ep.messages, reply["messages"], ended)
             spent = sum(ep.mask)
-            if self._budget(len(ep.tokens) + len(env_ids), sampling, spent) < 1:
+            if self._budget(len(ep.tokens) + len(env_ids), limit, spent) < 1:
                 ep.truncated = True  # no room (context or token budget) for another model turn: end here
                 return
             ep.add_env_turn(env_ids)
             ep.messages += reply["messages"]
-            result = await timer.time("generate_s", self._sample(ep.tokens, 1, sampling, server, spent))
+            result = await timer.time("generate_s", self._sample(ep.tokens, 1, limit, server, spent))
             self._add_turn(ep, result.choices[0], self._versions(result, task))
 
     async def _score(self, ep: Episode, task: Task, env: Any, timer: Timer) -> None:

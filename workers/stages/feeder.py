@@ -175,7 +175,7 @@ class FeederWorker:
             await self._reconcile()
             cursor = pick_env(self.cursors, max_epochs)
             if cursor is None:
-                await self.bus.state_set(**{FEEDER_DONE_FIELD: 1})
+                await self.bus.state_set(**{FEEDER_DONE_FIELD: max_epochs})
                 self.log.info("feeder_done", epochs=max_epochs, issued=self.issued)
                 return
             if await self._wait_for_room(cursor.group_size):

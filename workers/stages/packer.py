@@ -50,6 +50,7 @@ from bus.state import (
     INFLIGHT_FIELD,
     LAST_STEP_FIELD,
     STOP_REASON_FIELD,
+    reconcile_inflight,
     release_inflight,
 )
 from bus.streams import Bus, Entry
@@ -57,6 +58,10 @@ from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, run_worker
 from workers.stages.packing import pack_step
 from workers.stages.sample_filters import FilterCounts, active_filters, apply_filters, model_vocab_size
+
+RECONCILE_AT_END_S = 5.0
+"""Once the data is exhausted, how often the packer recomputes the in-flight count while it waits for the rest (the
+feeder, whose reconciler repairs a lost release otherwise, has exited)."""
 
 PAUSE_ENV = "RLBUS_TEST_PAUSE_BEFORE_COMMIT_S"
 """Test hook: seconds to sleep between assembling a step and committing it (a window to kill -9 in)."""
@@ -97,6 +102,7 @@ class PackerWorker:
         """True once this packer holds the lease (a standby until then)."""
         self.exhausted = False
         """The feeder issued its last task and every sample still in flight is held here."""
+        self._reconciled_at = 0.0
 
     @property
     def last_step(self) -> int:
@@ -301,9 +307,14 @@ class PackerWorker:
         held = _samples(self.held)
         inflight, done = await self.bus.redis.hmget(self.bus.keys.state(), [INFLIGHT_FIELD, FEEDER_DONE_FIELD])
         inflight = int(inflight or 0)
+        epochs = self.config.feeder.max_epochs
+        done = epochs is not None and done is not None and done.decode() == str(epochs)
+        if inflight > held and done and time.monotonic() - self._reconciled_at > RECONCILE_AT_END_S:
+            self._reconciled_at = time.monotonic()  # a release lost near the end would otherwise wait forever
+            _, inflight = await reconcile_inflight(self.bus, [e.resolved_name for e in self.config.env])
         if inflight > held:
             return False
-        self.exhausted = done is not None
+        self.exhausted = done
         return self.exhausted or (held > 0 and inflight + self.max_group_size > self.max_inflight)
 
     def _ready(self) -> bool:

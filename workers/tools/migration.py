@@ -43,11 +43,17 @@ _SAMPLING = {
 }
 _EVAL_SAMPLING = {**_SAMPLING, "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "reasoning_effort": "reasoning_effort"}
+_TABLES = {"extra_body", "args", "extra_env_kwargs", "headers_from_env"}
+"""Fields whose value is a table of the user's own keys: they carry over whole."""
+
+
+def _sampling(prefix: str, target: str, names: dict[str, str]) -> dict[str, Target]:
+    return {f"{prefix}.{k}": Target(f"{target}.{v}", whole=k in _TABLES) for k, v in names.items()}
 _ENV = {
     "id": Target("env[].id", "a built-in env name or `package.module:factory`; verifiers environments do not run"),
     "name": Target("env[].name"), "address": Target("env[].address"), "ratio": Target("env[].ratio"),
-    "max_retries": Target("env[].max_retries"), "args": Target("env[].args"),
-    "extra_env_kwargs": Target("env[].args", "passed to the env factory with its args"),
+    "max_retries": Target("env[].max_retries"), "args": Target("env[].args", whole=True),
+    "extra_env_kwargs": Target("env[].args", "passed to the env factory with its args", whole=True),
     "timeout.rollout": Target("env[].rollout_timeout_s"),
     "max_output_tokens": Target("env[].max_total_completion_tokens"),
     "taskset.id": Target("env[].id", "rlbus envs are named by id; a v1 taskset id becomes the env id"),
@@ -76,16 +82,16 @@ PRIME_RL: dict[str, Target] = {
     "student.name": Target("model.path", "[student] is [model] in rlbus"),
     "model.client.base_url": Target("inference.base_urls", value=_as_list),
     "model.client.api_key_var": Target("inference.api_key_var"),
-    "model.client.headers_from_env": Target("inference.headers_from_env"),
+    "model.client.headers_from_env": Target("inference.headers_from_env", whole=True),
     "model.client.timeout": Target("inference.request_timeout_s"),
     "model.lora": Target(None, "LoRA is not in rlbus yet"),
     "teacher.model.name": Target("teacher.path"),
     "teacher.client.base_url": Target("teacher.base_urls", value=_as_list),
     "teacher.client.api_key_var": Target(None, "the teacher shares the inference client's settings in rlbus today"),
     "train.max_retries": Target("max_retries"),
-    **{f"train.sampling.{k}": Target(f"sampling.{v}") for k, v in _SAMPLING.items()},
+    **_sampling("train.sampling", "sampling", _SAMPLING),
     **{f"train.env[].{k}": t for k, t in _ENV.items()},
-    **{f"train.env[].sampling.{k}": Target(f"env[].sampling.{v}") for k, v in _SAMPLING.items()},
+    **_sampling("train.env[].sampling", "env[].sampling", _SAMPLING),
     "train.env[].group_size": Target("env[].group_size"),
     "train.env[].rollouts_per_example": Target("env[].group_size"),
     "train.env[].algo": Target(None, "rlbus has one algorithm family (GRPO-style advantages); per-env "
@@ -96,9 +102,10 @@ PRIME_RL: dict[str, Target] = {
     "eval.rollouts_per_example": Target("eval.group_size"),
     "eval.max_retries": Target("eval.max_retries"),
     "eval.skip_first_step": Target("eval.skip_first_step"),
-    **{f"eval.sampling.{k}": Target(f"eval.sampling.{v}") for k, v in _EVAL_SAMPLING.items()},
-    **{f"eval.env[].{k}": Target(t.key and t.key.replace("env[]", "eval.env[]"), t.note) for k, t in _ENV.items()},
-    **{f"eval.env[].sampling.{k}": Target(f"eval.env[].sampling.{v}") for k, v in _EVAL_SAMPLING.items()},
+    **_sampling("eval.sampling", "eval.sampling", _EVAL_SAMPLING),
+    **{f"eval.env[].{k}": Target(t.key and t.key.replace("env[]", "eval.env[]"), t.note, whole=t.whole)
+       for k, t in _ENV.items()},
+    **_sampling("eval.env[].sampling", "eval.env[].sampling", _EVAL_SAMPLING),
     "eval.env[].num_examples": Target("eval.env[].num_examples"),
     "eval.env[].group_size": Target("eval.env[].group_size"),
     "eval.env[].rollouts_per_example": Target("eval.env[].group_size"),
@@ -204,9 +211,12 @@ def flatten(data: dict, table: dict[str, Target], prefix: str = "") -> list[tupl
 
 
 def lookup(path: str, table: dict[str, Target]) -> Target | None:
-    """The target of ``path``, or of its nearest ancestor in the table (``tokenizer.name`` → ``tokenizer``)."""
-    while path:
-        if path in table:
-            return table[path]
+    """The target of ``path``; else that of its nearest ancestor when the ancestor has no rlbus field (everything
+    under ``tokenizer`` is left behind with ``tokenizer``'s reason); else None."""
+    if path in table:
+        return table[path]
+    while "." in path:
         path = path.rpartition(".")[0]
+        if path in table:
+            return table[path] if table[path].key is None else None
     return None

@@ -312,3 +312,30 @@ def test_a_dynamic_batch_takes_what_is_queued_up_to_max_batch_size(bus, redis_ur
             assert [(m.step, m.values["packer/samples"]) for m in rows] == [(1, 8.0), (2, 4.0)]
 
     asyncio.run(main())
+
+
+def test_end_of_data_counts_for_the_epochs_it_was_reached_with_and_repairs_a_lost_release(
+        bus, redis_url, run_name, model_dir):
+    from bus.state import DATA_EXHAUSTED, FEEDER_DONE_FIELD, STOP_REASON_FIELD, exhausted_at
+
+    cfg = config(redis_url, run_name, model_dir).model_copy(deep=True)
+    cfg.feeder.max_epochs = 2
+
+    async def main():
+        async with bus("test") as b:
+            # the feeder finished one epoch under an older config: with max_epochs = 2 the data is not exhausted
+            await b.state_set(**{"inflight": 0, FEEDER_DONE_FIELD: 1, STOP_REASON_FIELD: DATA_EXHAUSTED})
+            assert await exhausted_at(b, 2) is None and await exhausted_at(b, 1) == 0
+            await b.redis.hdel(b.keys.state(), STOP_REASON_FIELD)
+            await publish_trained(b, 0)
+            await b.publish(b.keys.filtered(ENV), group(1, [1.0, 0.0]))
+            # now both epochs are out; one group's release was lost (inflight says 2 more than the streams hold)
+            await b.state_set(**{"inflight": 4, FEEDER_DONE_FIELD: 2})
+            worker = PackerWorker(cfg, worker="packer-0")
+            await worker.setup()
+            await asyncio.wait_for(worker.run(), 30)  # returns by itself: the last, partial step, then done
+            await worker.close()
+            assert await exhausted_at(b, 2) == 1
+            assert [mb.step for mb in await micro_batches(b, 1)] and await b.state_get("inflight") == "0"
+
+    asyncio.run(main())

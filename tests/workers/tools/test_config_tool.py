@@ -42,7 +42,8 @@ temperature = 0.8
 id = "reverse-text"
 ratio = 1.0
 timeout = { rollout = 120 }
-sampling = { temperature = 0.6 }
+sampling = { temperature = 0.6, extra_body = { top_k = 20 } }
+args = { num_examples = 10, split = "train" }
 
 [[orchestrator.train.env]]
 id = "echo-chars"
@@ -103,7 +104,9 @@ def test_a_prime_rl_orchestrator_config_converts_and_says_what_it_left(tmp_path)
     assert data["inference"] == {"base_urls": ["http://localhost:8000/v1"]}
     assert data["sampling"] == {"max_completion_tokens": 128, "temperature": 0.8}
     first, second = data["env"]
-    assert first == {"id": "reverse-text", "ratio": 1.0, "rollout_timeout_s": 120, "sampling": {"temperature": 0.6}}
+    assert first == {"id": "reverse-text", "ratio": 1.0, "rollout_timeout_s": 120,
+                     "sampling": {"temperature": 0.6, "extra_body": {"top_k": 20}},
+                     "args": {"num_examples": 10, "split": "train"}}  # tables of the user's own keys, whole
     assert second == {"id": "echo-chars", "ratio": 2.0}
     assert data["eval"]["env"] == [{"id": "reverse-text", "interval": 25}]
     assert data["eval"]["sampling"] == {"temperature": 0.0, "reasoning_effort": "low"}
