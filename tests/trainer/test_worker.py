@@ -149,7 +149,7 @@ def test_prune_keeps_served_steps_and_the_eval_hold(tmp_path, bus, run_name):
     for step in range(1, 6):
         (tmp_path / "weights" / f"step_{step}").mkdir(parents=True)
     worker = TrainerWorker.__new__(TrainerWorker)  # only what _prune uses: no model, no process group
-    worker.output_dir, worker.cfg, worker.log = tmp_path, SimpleNamespace(keep_weights=1), get_logger()
+    worker.output_dir, worker.cfg, worker.log = tmp_path, SimpleNamespace(keep_weights=1, kl_penalty_reference_step=None), get_logger()
 
     async def main():
         async with bus("trainer") as b:

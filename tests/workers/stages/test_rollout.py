@@ -251,13 +251,16 @@ def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
         await worker.setup()
         running = asyncio.create_task(worker.run())
         deadline = time.monotonic() + 60
-        while not stack.dead() and time.monotonic() < deadline and not running.done():
+        while not mine() and time.monotonic() < deadline and not running.done():
             await asyncio.sleep(0.1)
         worker.request_stop()
         await running
         await worker.close()
 
+    def mine():
+        return [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
+
     asyncio.run(main())
-    (letter,) = [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
+    (letter,) = mine()
     assert "rollout_timeout_s=0.5" in letter.reason and "after 2 attempts" in letter.reason
     assert stack.groups(name) == [] and int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == before
