@@ -23,6 +23,7 @@ from workers.env_config import (
     EvalEnvConfig,
     EvalSamplingConfig,
     SamplingConfig,
+    check_unique_names,
     inherit,
 )
 
@@ -235,10 +236,7 @@ class RlbusConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "RlbusConfig":
-        names = [e.resolved_name for e in self.env]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"duplicate env names {dupes}; give each [[env]] a unique name")
+        check_unique_names(self.env, "env", "[[env]]")
         ratios = [e.ratio for e in self.env]
         if any(r is None for r in ratios) and any(r is not None for r in ratios):
             raise ValueError("set ratio on every [[env]] or on none (got a mix of set and unset ratios)")

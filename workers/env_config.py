@@ -22,7 +22,22 @@ def _deprecate_max_tokens(data: Any) -> Any:
     return data
 
 
-class SamplingConfig(Section):
+class _Requests(Section):
+    """What every sampling request carries besides its knobs."""
+
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings ending a model turn."""
+
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Extra fields sent with every request."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecations(cls, data: Any) -> Any:
+        return _deprecate_max_tokens(data)
+
+
+class SamplingConfig(_Requests):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature (the trainer divides logits by it)."""
 
@@ -40,19 +55,8 @@ class SamplingConfig(Section):
     min_p: float = Field(0.0, ge=0, le=1)
     """Min-p sampling threshold; 0 = off."""
 
-    stop: list[str] = Field(default_factory=list)
-    """Stop strings ending a model turn."""
 
-    extra_body: dict[str, Any] = Field(default_factory=dict)
-    """Extra fields sent with every completion request."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _deprecations(cls, data: Any) -> Any:
-        return _deprecate_max_tokens(data)
-
-
-class EvalSamplingConfig(Section):
+class EvalSamplingConfig(_Requests):
     """Eval sampling: every knob None by default, and a None knob is not sent (the server's default applies)."""
 
     temperature: float | None = Field(None, ge=0)
@@ -74,17 +78,6 @@ class EvalSamplingConfig(Section):
 
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     """Reasoning effort of reasoning models (sent as ``reasoning_effort``); None: not sent."""
-
-    stop: list[str] = Field(default_factory=list)
-    """Stop strings ending a model turn."""
-
-    extra_body: dict[str, Any] = Field(default_factory=dict)
-    """Extra fields sent with every eval request."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _deprecations(cls, data: Any) -> Any:
-        return _deprecate_max_tokens(data)
 
 
 class EnvConfig(Section):
@@ -201,16 +194,21 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _resolve(self) -> "EvalConfig":
-        names = [e.resolved_name for e in self.env]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"duplicate eval env names {dupes}; give each [[eval.env]] a unique name")
+        check_unique_names(self.env, "eval env", "[[eval.env]]")
         for env in self.env:
             for field in ("num_examples", "interval", "group_size", "max_retries"):
                 if field not in env.model_fields_set:
                     setattr(env, field, getattr(self, field))
             env.sampling = inherit(self.sampling, env.sampling)
         return self
+
+
+def check_unique_names(envs: list[EnvConfig], what: str, table: str) -> None:
+    """A ValueError naming the names that more than one env of ``envs`` has."""
+    names = [e.resolved_name for e in envs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"duplicate {what} names {dupes}; give each {table} a unique name")
 
 
 def inherit(shared: Section, own: Section | None) -> Section:
