@@ -66,22 +66,43 @@ def unique_tensors(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+COMPANION_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                   "chat_template*", "generation_config.json")
+"""Files of the model folder that make a weights directory a whole Hugging Face folder (tokenizer, template)."""
+
+
 def save_weights(
     model: nn.Module | Mapping[str, Tensor], dir: Path | str, max_shard_mb: float = 1024,
-    host_copy: HostCopy | None = None, config: object | None = None,
+    host_copy: HostCopy | None = None, config: object | None = None, companions: Path | str | None = None,
 ) -> list[WeightFile]:
-    """Write the model's (or a state dict's) weights as HF safetensors shards to ``dir`` atomically."""
+    """Write the model's (or a state dict's) weights as HF safetensors shards to ``dir`` atomically; with
+    ``companions`` (the model folder), also its tokenizer files, so ``dir`` loads as a model of its own (the next
+    stage's ``model.path``)."""
     if isinstance(model, nn.Module):
         config = config or getattr(model, "config", None)
         model = model.state_dict()
     tensors = (host_copy or HostCopy())(unique_tensors(model))
-    return [WeightFile(name=n, bytes=b, sha256=h) for n, b, h in write_shards(tensors, dir, max_shard_mb, config)]
+    return [WeightFile(name=n, bytes=b, sha256=h)
+            for n, b, h in write_shards(tensors, dir, max_shard_mb, config, companions)]
+
+
+def link_companions(source: Path, dir: Path) -> None:
+    """Hard-link (else copy) the tokenizer files of ``source`` into ``dir``."""
+    for pattern in COMPANION_FILES:
+        for path in source.glob(pattern):
+            if path.is_file():
+                try:
+                    os.link(path, dir / path.name)
+                except OSError:
+                    shutil.copy2(path, dir / path.name)
 
 
 def write_shards(
-    tensors: Mapping[str, Tensor], dir: Path | str, max_shard_mb: float, config: object | None = None
+    tensors: Mapping[str, Tensor], dir: Path | str, max_shard_mb: float, config: object | None = None,
+    companions: Path | str | None = None,
 ) -> list[tuple[str, int, str]]:
-    """Write host tensors as shards + index (+ config.json) into a temp dir, rename it to ``dir``; (name, bytes, sha256)."""
+    """Write host tensors as shards + index (+ config.json, + the companions' tokenizer files) into a temp dir,
+    rename it to ``dir``; (name, bytes, sha256)."""
     dir = Path(dir)
     shards = _plan_shards(tensors, int(max_shard_mb * 2**20))
     tmp = dir.parent / f".tmp-{dir.name}-{uuid.uuid4().hex[:8]}"
@@ -98,6 +119,8 @@ def write_shards(
     (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     if config is not None and hasattr(config, "to_json_file"):
         config.to_json_file(tmp / "config.json")
+    if companions is not None and Path(companions).is_dir():
+        link_companions(Path(companions), tmp)
     if dir.exists():
         shutil.rmtree(dir)
     os.rename(tmp, dir)

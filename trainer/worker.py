@@ -274,7 +274,8 @@ class TrainerWorker:
         if republish and (path / INDEX_NAME).exists():
             files = describe_weights(path)
         else:
-            files = save_weights(state, path, self.cfg.max_shard_mb, host_copy=self.host_copy, config=self.lm_config)
+            files = save_weights(state, path, self.cfg.max_shard_mb, host_copy=self.host_copy, config=self.lm_config,
+                                 companions=self.config.model.path)
         return WeightUpdate(step=step, format="safetensors", dir=str(path.resolve()), files=files)
 
     async def _prune(self, step: int) -> None:

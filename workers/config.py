@@ -222,8 +222,9 @@ class RlbusConfig(Section):
         """Per-env inheritance (group_size, max_retries, mode, sampling and advantage, field by field) and bench
         mode, resolved once so that every worker and ``config.resolved.toml`` see the effective values."""
         for env in self.env:
-            for field, value in (("group_size", self.group_size), ("max_retries", self.max_retries),
-                                 ("mode", self.training_mode)):
+            reference = env.mode == "sft" and env.sft_source == "reference"
+            for field, value in (("group_size", 1 if reference else self.group_size),
+                                 ("max_retries", self.max_retries), ("mode", self.training_mode)):
                 if field not in env.model_fields_set:
                     setattr(env, field, value)
             env.sampling = inherit(self.sampling, env.sampling)
@@ -241,8 +242,14 @@ class RlbusConfig(Section):
         if any(r is None for r in ratios) and any(r is not None for r in ratios):
             raise ValueError("set ratio on every [[env]] or on none (got a mix of set and unset ratios)")
         for env in self.env:
-            if env.mode in ("opd", "sft") and self.teacher is None:
-                raise ValueError(f"env {env.resolved_name!r} has mode={env.mode!r}, which needs a [teacher] section")
+            from_data = env.mode == "sft" and env.sft_source == "reference"
+            if env.mode in ("opd", "sft") and not from_data and self.teacher is None:
+                raise ValueError(f"env {env.resolved_name!r} has mode={env.mode!r}, which needs a [teacher] section"
+                                 + (" (or sft_source = \"reference\" to train on the env's answers)"
+                                    if env.mode == "sft" else ""))
+            if from_data and env.group_size != 1:
+                raise ValueError(f"env {env.resolved_name!r} trains on its reference answers (sft_source = "
+                                 f"\"reference\"), one sample per task: set its group_size = 1, not {env.group_size}")
         batch = self.packer.batch_size
         if batch is not None:
             for env in self.env:

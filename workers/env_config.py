@@ -97,8 +97,14 @@ class EnvConfig(Section):
     """Completions sampled per example (the GRPO group); unset: the top-level ``group_size``."""
 
     mode: Mode = "rl"
-    """Training mode of this env's samples: rl, opd (needs [teacher]) or sft (needs [teacher]); unset: the
-    top-level ``training_mode``."""
+    """Training mode of this env's samples: rl, opd (needs [teacher]) or sft; unset: the top-level
+    ``training_mode``."""
+
+    sft_source: Literal["teacher", "reference"] = "teacher"
+    """Where an sft env's completions come from: the teacher's servers (``[teacher]``), or each example's
+    reference answer (envs whose examples carry one, such as ``dataset`` and ``reasoning_gym``): prompt +
+    reference, chat template applied, loss on the assistant tokens, no teacher. One sample per task
+    (group_size 1)."""
 
     address: str | None = None
     """ZeroMQ address of an external env server (``tcp://host:5555``); None: the rollout worker spawns one."""

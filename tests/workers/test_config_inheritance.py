@@ -164,3 +164,14 @@ def test_strictly_on_policy_turns_prefetching_off():
     config = load_config([], [("packer.max_off_policy_steps", "0")])
     assert (config.packer.prefetch_steps, config.packer.prefetch) == (1, 0)
     assert load_config([], []).packer.prefetch == 1
+
+
+def test_sft_from_reference_answers_needs_no_teacher_and_one_sample_per_task():
+    config = load_config([], [("env.0.id", "reasoning_gym"), ("env.0.mode", "sft"),
+                              ("env.0.sft_source", "reference"), ("packer.batch_size", "8")])
+    assert config.teacher is None and config.env[0].group_size == 1
+    with pytest.raises(ConfigError, match="or sft_source = \"reference\""):
+        load_config([], [("env.0.id", "echo_chars"), ("env.0.mode", "sft")])
+    with pytest.raises(ConfigError, match="set its group_size = 1, not 4"):
+        load_config([], [("env.0.id", "echo_chars"), ("env.0.mode", "sft"), ("env.0.sft_source", "reference"),
+                         ("env.0.group_size", "4")])

@@ -15,7 +15,9 @@ Write your own by subclassing nothing at all::
                            Rubric([RewardFunc(correct)]))
 
 and point the config at it: ``[[env]] id = "my_pkg.my_env:load_environment"  args = {n = 500}``.
-Multi-turn envs subclass :class:`Environment` and override :meth:`Environment.respond`.
+Multi-turn envs subclass :class:`Environment` and override :meth:`Environment.respond`. An env whose examples
+carry a reference answer passes ``reference=lambda ex: ex["answer"]``: ``mode = "sft"`` with
+``sft_source = "reference"`` then trains on prompt + reference, no teacher needed.
 """
 
 from collections.abc import Callable, Sequence
@@ -92,6 +94,7 @@ class Environment:
         prompt: Callable[[Example], list[Message]],
         rubric: Rubric,
         max_turns: int = 1,
+        reference: Callable[[Example], str] | None = None,
     ):
         if not dataset:
             raise ValueError(f"env {name!r} has an empty dataset")
@@ -102,17 +105,27 @@ class Environment:
         self.prompt = prompt
         self.rubric = rubric
         self.max_turns = max_turns
+        self.reference_fn = reference
+        """The reference answer of an example (the assistant's text), for sft from data; None: the env has none."""
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "size": len(self), "max_turns": self.max_turns, "reward_names": self.rubric.names}
+        return {"name": self.name, "size": len(self), "max_turns": self.max_turns, "reward_names": self.rubric.names,
+                "has_reference": self.reference_fn is not None}
 
     def example(self, index: int) -> Example:
         if not 0 <= index < len(self.dataset):
             raise IndexError(f"index {index} is out of range for env {self.name!r} with {len(self)} examples")
         return self.dataset[index]
+
+    def reference(self, index: int) -> str:
+        """The reference answer of example ``index`` (what sft from data trains the model to say)."""
+        if self.reference_fn is None:
+            raise ValueError(f"env {self.name!r} has no reference answers; use sft_source = \"teacher\" or an env "
+                             "whose examples carry one (the dataset env's answer_field)")
+        return str(self.reference_fn(self.example(index)))
 
     def initial(self, index: int) -> dict[str, Any]:
         """The prompt messages of example ``index`` and the episode's starting state."""

@@ -11,6 +11,8 @@ BUILTIN = {
     "reverse_text": "workers.envs.reverse_text:load_environment",
     "echo_chars": "workers.envs.echo_chars:load_environment",
     "guess_number": "workers.envs.guess_number:load_environment",
+    "dataset": "workers.envs.dataset:load_environment",
+    "reasoning_gym": "workers.envs.gym_tasks:load_environment",
 }
 """Built-in env ids and the factories they stand for."""
 

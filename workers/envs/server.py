@@ -7,6 +7,7 @@ Server: ``rlbus env @ run.toml --name ENV_NAME [--bind ADDR]`` serves the ``[[en
     info()                          -> {name, size, max_turns, reward_names}
     example(index)                  -> dict
     initial(index)                  -> {"messages": [...], "state": {...}}
+    reference(index)                -> str (the example's reference answer; envs that have them)
     step(index, messages, state)    -> {"messages": [...], "done": bool, "state": {...}}
     score(index, messages, state)   -> {"reward": float, "metrics": {name: float}}
 
@@ -51,6 +52,7 @@ class EnvServer:
             "info": lambda: {**env.info(), "name": self.name},
             "example": env.example,
             "initial": env.initial,
+            "reference": env.reference,
             "step": env.step,
             "score": env.score,
         })
@@ -161,6 +163,9 @@ class EnvHandle:
 
     async def initial(self, index: int) -> dict[str, Any]:
         return await self.call("initial", index=index)
+
+    async def reference(self, index: int) -> str:
+        return await self.call("reference", index=index)
 
     async def step(self, index: int, messages: list[dict], state: dict) -> dict[str, Any]:
         return await self.call("step", index=index, messages=messages, state=state)

@@ -64,8 +64,10 @@ def _set(data: dict, dotted: str, value: Any) -> None:
 
 
 def needs_teacher_server(config: RlbusConfig) -> bool:
-    """True when an env trains in opd/sft mode and [teacher] names no servers: ``rlbus run`` starts one."""
-    return config.teacher is not None and not config.teacher.base_urls and any(e.mode != "rl" for e in config.env)
+    """True when an env asks a teacher (opd, or sft from the teacher) and [teacher] names no servers: ``rlbus run``
+    starts one."""
+    asks = any(e.mode == "opd" or (e.mode == "sft" and e.sft_source == "teacher") for e in config.env)
+    return config.teacher is not None and not config.teacher.base_urls and asks
 
 
 def torch_threads(config: RlbusConfig, cores: int | None = None) -> int:

@@ -64,6 +64,17 @@ class ChatTokens:
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
+    def answer(self, messages: list[dict], text: str) -> list[int]:
+        """Token ids of an assistant turn saying ``text`` after ``messages`` (the generation prompt excluded, the
+        end-of-turn token included): what the model would have generated to say it."""
+        head = self._render(messages, add_generation_prompt=True)
+        full = self._render(messages + [{"role": "assistant", "content": text}], add_generation_prompt=False)
+        end = full.find(self.end_text, len(head))
+        if not full.startswith(head) or end < 0:
+            raise RolloutError("the chat template does not render an assistant turn after the generation prompt; "
+                               "sft from reference answers needs an append-only template")
+        return self.tokenizer.encode(full[len(head):end + len(self.end_text)], add_special_tokens=False)
+
     def decode(self, ids: list[int]) -> str:
         """The text of a model turn, special tokens dropped (what goes into the assistant message)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -267,3 +278,34 @@ class GroupRunner:
         if len(lps) != len(ep.completion_ids):
             raise RolloutError(f"teacher returned {len(lps)} prompt logprobs for {len(ep.completion_ids)} completion tokens")
         ep.teacher_logprobs = [0.0 if x is None else float(x) for x in lps]
+
+
+class ReferenceRunner:
+    """sft from data: the example's prompt and its reference answer as one sample, the loss on the answer's tokens
+    (chat template applied); no server is asked. Scored by the env like any episode (its metrics say how the
+    reference fares on the env's own rubric)."""
+
+    def __init__(self, chat: ChatTokens, max_model_len: int, fallback_version: Callable[[], int]):
+        self.chat = chat
+        self.max_model_len = max_model_len
+        self.fallback_version = fallback_version
+
+    async def run(self, task: Task, env: Any, sampling: Sampling, max_turns: int,
+                  max_total_tokens: int | None = None) -> tuple[list[Sample], dict]:
+        timer = Timer()
+        initial = await timer.time("env_s", env.initial(index=task.example_index))
+        text = await timer.time("env_s", env.reference(index=task.example_index))
+        messages = list(initial["messages"])
+        ep = Episode(self.chat.prompt(messages), messages + [{"role": "assistant", "content": text}],
+                     dict(initial.get("state") or {}))
+        ids = self.chat.answer(messages, text)
+        if len(ep.prompt_ids) + len(ids) > self.max_model_len:
+            raise RolloutError(f"prompt + reference answer are {len(ep.prompt_ids) + len(ids)} tokens, over "
+                               f"inference.max_model_len={self.max_model_len}; raise it or shorten the examples")
+        version = self.fallback_version()
+        ep.add_model_turn(ids, [0.0] * len(ids), (version, version))
+        scored = await timer.time("score_s", env.score(index=task.example_index, messages=ep.messages, state=ep.state))
+        ep.reward = float(scored["reward"])
+        ep.metrics = dict(scored.get("metrics") or {})
+        return [ep.to_sample(1.0)], timer.totals
+

@@ -243,11 +243,13 @@ class PackerWorker:
     # Assembling.
 
     def _drop_stale(self, step: int) -> None:
-        """Move groups more than ``max_off_policy_steps`` versions behind policy ``step − 1`` to the stale list."""
+        """Move groups more than ``max_off_policy_steps`` versions behind policy ``step − 1`` to the stale list (sft
+        groups never go stale: a teacher's or a reference's answer does not depend on the policy's version)."""
         oldest = step - 1 - self.cfg.max_off_policy_steps
         fresh = []
         for held in self.held:
-            (fresh if held.group.policy_version >= oldest else self.stale).append(held)
+            keep = held.group.mode == "sft" or held.group.policy_version >= oldest
+            (fresh if keep else self.stale).append(held)
         self.held = fresh
 
     async def _consumed_before(self, group: RolloutGroup) -> bool:

@@ -35,7 +35,7 @@ from workers.env_config import EnvConfig, EvalEnvConfig, SamplingConfig
 from workers.envs.server import EnvHandle
 from workers.inference.client import InferenceClient
 from workers.lifecycle import connect_bus, consumer_name, run_worker
-from workers.stages.episode import ChatTokens, GroupRunner
+from workers.stages.episode import ChatTokens, GroupRunner, ReferenceRunner
 from workers.stages.gate import StalenessGate
 
 
@@ -83,7 +83,7 @@ class RolloutWorker:
         chat = ChatTokens(tokenizer)
         client = self._client(InferenceClient, cfg.inference_urls(), "inference.base_urls")
         teacher = None
-        if any(e.mode in ("opd", "sft") for e in self.envs.values()):
+        if any(e.mode == "opd" or (e.mode == "sft" and e.sft_source == "teacher") for e in self.envs.values()):
             teacher = self._client(InferenceClient, cfg.teacher.base_urls, "teacher.base_urls")
         tracker = PolicyTracker(self.bus)
         self.gate = StalenessGate(tracker, cfg.packer.max_off_policy_steps, cfg.packer.prefetch,
@@ -92,6 +92,7 @@ class RolloutWorker:
         self.runner = GroupRunner(chat, client, teacher, cfg.inference.max_model_len, fallback_version=served)
         if teacher is not None:
             self.sft_runner = GroupRunner(chat, teacher, teacher, cfg.inference.max_model_len, fallback_version=served)
+        self.reference_runner = ReferenceRunner(chat, cfg.inference.max_model_len, fallback_version=served)
         self.log.info("rollout_ready", envs=list(self.envs), max_concurrent_groups=cfg.rollout.max_concurrent_groups)
 
     def _client(self, cls, base_urls: list[str], name: str):
@@ -183,18 +184,20 @@ class RolloutWorker:
         log = self.log.bind(task_id=task.task_id, env=task.env)
         error = None
         for attempt in range(env.max_retries + 1):
-            self._gated += 1
-            try:
-                wait_gate_s = await self.gate.wait(task.eval_step, stop=self._stop)
-            finally:
-                self._gated -= 1
-            if not self.gate.is_open(task.eval_step):
-                await self._hand_back(entry, task)
-                log.info("task_handed_back", reason="stopping while the staleness gate is closed")
-                return
+            wait_gate_s = 0.0
+            if task.mode != "sft":  # a teacher's or a reference's answer does not depend on the policy's version
+                self._gated += 1
+                try:
+                    wait_gate_s = await self.gate.wait(task.eval_step, stop=self._stop)
+                finally:
+                    self._gated -= 1
+                if not self.gate.is_open(task.eval_step):
+                    await self._hand_back(entry, task)
+                    log.info("task_handed_back", reason="stopping while the staleness gate is closed")
+                    return
             limit = asyncio.timeout(env.rollout_timeout_s)
             try:
-                runner = self.sft_runner if task.mode == "sft" else self.runner
+                runner = self._runner(task, env)
                 async with limit:
                     samples, timings = await runner.run(task, self.handles[task.env], self._sampling(env),
                                                         env.max_turns, env.max_total_completion_tokens)
@@ -226,6 +229,13 @@ class RolloutWorker:
         self.groups_done += 1
         log.info("group_done", reward=round(group.reward, 4), tokens=group.tokens, policy_version=group.policy_version,
                  total_s=round(timings["total_s"], 3))
+
+    def _runner(self, task: Task, env: EnvConfig):
+        """Who makes the task's samples: the policy's servers, the teacher's (sft), or the env's reference (sft
+        from data)."""
+        if task.mode != "sft":
+            return self.runner
+        return self.reference_runner if env.sft_source == "reference" else self.sft_runner
 
     def _sampling(self, env: EnvConfig) -> SamplingConfig:
         if isinstance(env, EvalEnvConfig):

@@ -147,6 +147,43 @@ def test_a_few_steps_end_to_end(tmp_path, tiny_model_dir):
     assert not processes_mentioning(str(out)), "children outlived the run"
 
 
+def reverse_words(path: Path, n: int, seed: int) -> Path:
+    import random
+
+    from workers.envs.reverse_text import WORDS
+
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(n)]
+    path.write_text("".join(json.dumps({"text": w, "answer": w[::-1]}) + "\n" for w in words))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sft_from_a_data_file_then_rl_from_its_weights(tmp_path, tiny_model_dir):
+    """Stage 1 trains on the file's reference answers (no teacher); stage 2 starts RL from stage 1's weights."""
+    train, held_out = reverse_words(tmp_path / "train.jsonl", 2000, 0), reverse_words(tmp_path / "test.jsonl", 64, 1)
+    data = ("--env.0.id", "dataset", "--env.0.args", f'{{path = "{train}", prompt_field = "text", reward = "lcs"}}',
+            "--eval.env.0.id", "dataset", "--eval.env.0.name", "held_out", "--eval.env.0.args",
+            f'{{path = "{held_out}", prompt_field = "text", reward = "lcs"}}', "--sampling.max_completion_tokens", "8",
+            "--eval.sampling.max_completion_tokens", "8")
+    sft = tmp_path / "sft"
+    proc = start_run(sft, tiny_model_dir, "--run.max_steps", "60", "--eval.interval", "30", "--env.0.mode", "sft",
+                     "--env.0.sft_source", "reference", "--env.0.group_size", "1", *data)
+    assert wait_exit(proc, sft, 180) == 0, stdout_of(sft)[-4000:]
+    evals = {int(k): v["eval/held_out/reward"] for k, v in summary(sft)["eval"].items()}
+    assert evals[0] < 0.2 and evals[60] > 0.8, evals  # measured: 0.000 → 0.485 (20) → 0.924 (40) → 0.994 (60)
+    assert {r.get("loss/sft") for r in metric_rows(sft) if r["source"] == "trainer"} - {None}
+
+    rl = tmp_path / "rl"
+    proc = start_run(rl, tiny_model_dir, "--run.max_steps", "10", "--eval.interval", "10", *data,
+                     "--model.path", str(sft / "weights" / "step_60"),  # a whole HF folder: weights + tokenizer
+                     "--trainer.lr", "5e-5")  # 5e-4 (the default job's, from scratch) undoes the SFT in 10 steps
+    assert wait_exit(proc, rl, 120) == 0, stdout_of(rl)[-4000:]
+    evals = {int(k): v["eval/held_out/reward"] for k, v in summary(rl)["eval"].items()}
+    assert evals[0] > 0.8 and evals[10] > 0.8, evals  # starts where stage 1 ended, and stays there
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_runs_four_steps_without_eval_and_reports_the_measured_three(tmp_path, tiny_model_dir):

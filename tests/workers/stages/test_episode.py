@@ -8,7 +8,7 @@ import pytest
 
 from bus.messages import Task
 from workers.env_config import SamplingConfig
-from workers.stages.episode import ChatTokens, GroupRunner, RolloutError
+from workers.stages.episode import ChatTokens, GroupRunner, ReferenceRunner, RolloutError
 from workers.tools.init_model import build_tokenizer
 
 
@@ -143,3 +143,27 @@ def test_a_total_token_budget_spans_the_turns_of_an_episode(chat):
     assert client.max_tokens == [5, 2] and s.turns == 2  # the second turn may spend what the first left
     (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), 4, max_total_tokens=3))
     assert s.is_truncated and s.turns == 1 and s.loss_mask.all()  # the budget is spent: no env reply, no turn
+
+
+class ReferenceEnv(TwoTurnEnv):
+    """Knows the answer of every example; scores 1.0 for it."""
+
+    async def reference(self, index):
+        return f"answer {index}"
+
+    async def score(self, index, messages, state):
+        return {"reward": float(messages[-1]["content"] == f"answer {index}"), "metrics": {}}
+
+
+def test_sft_from_data_trains_on_the_reference_answer_with_the_chat_template(chat):
+    runner = ReferenceRunner(chat, max_model_len=512, fallback_version=lambda: 4)
+    task = Task(task_id="e:0:0", env="e", example_index=7, example_id="7", group_size=1, mode="sft")
+    (s,), timings = asyncio.run(runner.run(task, ReferenceEnv(), SamplingConfig(), max_turns=1))
+    tok = chat.tokenizer
+    assert tok.decode(s.prompt_ids) == "<|im_start|>user\nq7<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(s.completion_ids) == "answer 7<|im_end|>"  # what the model would say, end of turn included
+    assert s.loss_mask.all() and s.reward == 1.0 and (s.policy_version_start, s.turns) == (4, 1)
+    assert set(timings) >= {"env_s", "score_s"}
+    short = ReferenceRunner(chat, max_model_len=20, fallback_version=lambda: 0)
+    with pytest.raises(RolloutError, match="over inference.max_model_len=20"):
+        asyncio.run(short.run(task, ReferenceEnv(), SamplingConfig(), max_turns=1))

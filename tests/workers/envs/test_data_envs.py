@@ -1,0 +1,69 @@
+"""Envs from outside: the dataset env over local JSONL / Parquet / CSV files, and reasoning-gym's generators."""
+
+import json
+
+import pytest
+
+from bus.errors import ConfigError
+from workers.envs.registry import load_env
+
+
+def episode(env, index: int, reply: str) -> float:
+    messages = env.initial(index)["messages"] + [{"role": "assistant", "content": reply}]
+    return env.score(index, messages, {"turn": 1})["reward"]
+
+
+@pytest.fixture
+def rows():
+    return [{"question": f"What is {i} + {i}?", "answer": str(2 * i), "level": i % 3} for i in range(6)]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet", "csv"])
+def test_a_local_file_in_any_of_three_formats_is_an_env(tmp_path, rows, suffix):
+    import pandas as pd
+
+    path = tmp_path / f"train.{suffix}"
+    frame = pd.DataFrame(rows)
+    if suffix == "jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    elif suffix == "parquet":
+        frame.to_parquet(path)
+    else:
+        frame.to_csv(path, index=False)
+    env = load_env("dataset", {"path": str(path), "prompt_field": "question", "system_prompt": "Answer briefly."})
+    assert len(env) == 6 and env.info()["has_reference"]
+    assert env.initial(2)["messages"] == [{"role": "system", "content": "Answer briefly."},
+                                          {"role": "user", "content": "What is 2 + 2?"}]
+    assert env.reference(3) == "6"
+    assert episode(env, 3, " 6 ") == 1.0 and episode(env, 3, "7") == 0.0
+
+
+def test_rewards_messages_and_a_bad_field_that_lists_the_columns(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": [{"role": "user", "content": "Half of one?"}], "answer": "\\frac{1}{2}"},
+        {"messages": [{"role": "user", "content": "Reverse abc"}], "answer": "cba"},
+    ]))
+    math = load_env("dataset", {"path": str(path), "messages_field": "messages", "reward": "math"})
+    assert math.initial(0)["messages"] == [{"role": "user", "content": "Half of one?"}]
+    assert episode(math, 0, "It is $0.5$") == 1.0 and episode(math, 0, "It is $0.4$") == 0.0
+    lcs = load_env("dataset", {"path": str(path), "messages_field": "messages", "reward": "lcs"})
+    assert episode(lcs, 1, "cba") == 1.0 and 0.0 < episode(lcs, 1, "cbx") < 1.0
+    with pytest.raises(ConfigError, match=r"has no field 'question'; its columns are \['answer', 'messages'\]"):
+        load_env("dataset", {"path": str(path), "prompt_field": "question"})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_env("dataset", {"path": str(tmp_path / "missing.jsonl")})
+    with pytest.raises(ConfigError, match=r"reward='fuzzy'; use one of \['exact', 'lcs', 'math'\]"):
+        load_env("dataset", {"path": str(path), "reward": "fuzzy"})
+
+
+@pytest.mark.parametrize("task", ["spell_backward", "basic_arithmetic", "letter_counting"])
+def test_reasoning_gym_tasks_are_generated_offline_and_scored_by_their_own_scorer(task):
+    env = load_env("reasoning_gym", {"dataset": task, "size": 20, "seed": 3})
+    again = load_env("reasoning_gym", {"dataset": task, "size": 20, "seed": 3})
+    assert len(env) == 20 and env.initial(5) == again.initial(5)  # the same examples from the same seed
+    for index in range(3):
+        assert episode(env, index, env.reference(index)) == 1.0
+        assert episode(env, index, "zzz") == 0.0
+    with pytest.raises(ConfigError, match="reasoning-gym cannot build 'no_such_task'"):
+        load_env("reasoning_gym", {"dataset": "no_such_task"})
