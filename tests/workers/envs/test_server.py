@@ -11,8 +11,8 @@ import pytest
 
 from bus.errors import RpcError, RpcTimeoutError
 from bus.rpc import RpcClient
+from tests.workers.envs.test_envs import SELF_CONTAINED
 from workers.env_config import EnvConfig
-from workers.envs import BUILTIN
 from workers.envs.server import EnvHandle
 
 
@@ -47,7 +47,7 @@ def test_every_method_of_every_builtin_answers():
         assert _gone(pid)
 
     async def main():
-        await asyncio.gather(*(one(env_id) for env_id in sorted(BUILTIN)))
+        await asyncio.gather(*(one(env_id) for env_id in SELF_CONTAINED))
 
     asyncio.run(main())
 
@@ -137,7 +137,8 @@ def test_cli_serves_a_config_env_and_external_handle_uses_it(tmp_path):
         handle = await EnvHandle.start(EnvConfig(id="guess_number", address=address), timeout_s=30)
         try:
             info = await handle.info()
-            assert info == {"name": "guess", "size": 7, "max_turns": 8, "reward_names": ["guess", "found", "turns"]}
+            assert info == {"name": "guess", "size": 7, "max_turns": 8, "reward_names": ["guess", "found", "turns"],
+                            "has_reference": False}
             assert 1 <= (await handle.example(index=6))["secret"] <= 10
         finally:
             await handle.close()

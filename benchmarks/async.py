@@ -1,0 +1,73 @@
+"""The same job synchronous and asynchronous, in one invocation: what running off-policy buys on this box.
+
+    python benchmarks/async.py [--steps 150] [--rounds 1] [--threshold 0.25]
+
+Runs ``rlbus run @ configs/default.toml`` for ``--steps`` steps twice per round, alternating:
+
+- **sync**: ``packer.max_off_policy_steps = 0`` — strictly on-policy (prefetching is then off too): the rollouts of
+  step s start only once every server serves policy s − 1, so generation and training take turns;
+- **async**: the config as it is (``max_off_policy_steps = 2``, one step prefetched).
+
+For each it prints steps per minute (over the run's own wall clock), the wall-clock seconds until the training
+reward's 10-step mean first reaches ``--threshold``, and the reward at the end; the last line is
+``async/sync steps ratio: X`` (the best round of each).
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_job(out: Path, steps: int, port: int, *overrides: str) -> dict:
+    """One ``rlbus run``; its wall time, steps and per-step (time, reward) from metrics.jsonl."""
+    argv = [sys.executable, "-m", "workers.cli", "run", "@", str(ROOT / "configs" / "default.toml"),
+            "--run.output_dir", str(out), "--run.name", out.name, "--run.max_steps", str(steps),
+            "--inference.port", str(port), "--eval.env", "none", *overrides]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"rlbus run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    packed = sorted((r["at"], r["step"], r["packer/reward_mean"]) for r in rows if "packer/reward_mean" in r)
+    return {"wall_s": summary["wall_s"], "steps": summary["steps_trained"], "rewards": packed}
+
+
+def seconds_to(rewards: list[tuple[float, int, float]], threshold: float, window: int = 10) -> float | None:
+    """Seconds from the first packed step until the mean reward of ``window`` consecutive steps reaches it."""
+    for i in range(window, len(rewards) + 1):
+        if sum(r for _, _, r in rewards[i - window:i]) / window >= threshold:
+            return rewards[i - 1][0] - rewards[0][0]
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--threshold", type=float, default=0.25, help="reward for the time-to-reward figure")
+    parser.add_argument("--port", type=int, default=8740)
+    args = parser.parse_args()
+    modes = {"sync": ("--packer.max_off_policy_steps", "0"), "async": ()}
+    best: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="rlbus-async-") as tmp:
+        for round_ in range(args.rounds):
+            for mode, overrides in modes.items():
+                result = run_job(Path(tmp) / f"{mode}{round_}", args.steps, args.port, *overrides)
+                per_min = result["steps"] / result["wall_s"] * 60
+                reach = seconds_to(result["rewards"], args.threshold)
+                tail = result["rewards"][-20:]
+                print(f"{mode:5s} round {round_}: {result['steps']} steps in {result['wall_s']:.0f} s = "
+                      f"{per_min:.0f} steps/min; reward {args.threshold} (10-step mean) after "
+                      f"{'never' if reach is None else f'{reach:.0f} s'}; last 20 steps "
+                      f"{sum(r for _, _, r in tail) / max(len(tail), 1):.3f}", flush=True)
+                best[mode] = max(best.get(mode, 0.0), per_min)
+    print(f"async/sync steps ratio: {best['async'] / best['sync']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
