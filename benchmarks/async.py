@@ -1,6 +1,6 @@
 """The same job synchronous and asynchronous, in one invocation: what running off-policy buys on this box.
 
-    python benchmarks/async.py [--steps 150] [--rounds 1] [--threshold 0.25]
+    python benchmarks/async.py [--steps 150] [--rounds 1] [--threshold 0.15]
 
 Runs ``rlbus run @ configs/default.toml`` for ``--steps`` steps twice per round, alternating:
 
@@ -49,7 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--threshold", type=float, default=0.25, help="reward for the time-to-reward figure")
+    parser.add_argument("--threshold", type=float, default=0.15, help="reward for the time-to-reward figure")
     parser.add_argument("--port", type=int, default=8740)
     args = parser.parse_args()
     modes = {"sync": ("--packer.max_off_policy_steps", "0"), "async": ()}
