@@ -30,6 +30,10 @@ that same ``max_epochs``: a run resumed with more epochs is not exhausted."""
 DATA_EXHAUSTED = "data exhausted"
 """The ``stop_reason`` of a run whose data ran out: the packer sets it once the last (partial) step is built."""
 
+EXHAUSTED_EPOCHS_FIELD = "packer:exhausted_epochs"
+"""The ``feeder.max_epochs`` the packer found exhausted, written with the stop reason: a run resumed with more
+epochs is not over, whatever the old stop reason says."""
+
 RUN_EPOCH_FIELD = "run:epoch"
 """A random id the trainer writes when the run first trains; every checkpoint carries it, so a trainer resuming
 onto a Redis that lost the run (wiped, a new volume, another server) notices instead of starting over."""
@@ -46,10 +50,11 @@ EVAL_HOLD_FIELD = "eval:hold"
 async def exhausted_at(bus: Bus, max_epochs: int | None) -> int | None:
     """The last step of a run whose data ran out (``stop_reason`` = :data:`DATA_EXHAUSTED` for these
     ``max_epochs``), or None while more data may come."""
-    reason, done, last = await bus.redis.hmget(bus.keys.state(), [STOP_REASON_FIELD, FEEDER_DONE_FIELD, LAST_STEP_FIELD])
-    if max_epochs is None or reason is None or done is None:
+    fields = [STOP_REASON_FIELD, EXHAUSTED_EPOCHS_FIELD, LAST_STEP_FIELD]
+    reason, epochs, last = await bus.redis.hmget(bus.keys.state(), fields)
+    if max_epochs is None or reason is None or epochs is None:
         return None
-    if reason.decode() != DATA_EXHAUSTED or done.decode() != str(max_epochs):
+    if reason.decode() != DATA_EXHAUSTED or epochs.decode() != str(max_epochs):
         return None
     return int(last or 0)
 

@@ -79,7 +79,7 @@ def filler_batch(like: Batch | None, device: torch.device) -> Batch:
 
 # Slots of the metric-sum vector all-reduced once per step.
 _SUMS = ("loss/rl", "loss/opd", "loss/sft", "tokens/rl", "tokens/opd", "tokens/sft", "entropy", "masked",
-         "kl_on", "tokens_on", "kl_all", "tokens", "samples", "reward", "off_policy", "attn_sq", "kl_ref")
+         "kl_on", "tokens_on", "kl_all", "tokens", "samples", "reward", "off_policy", "attn_sq", "kl_ref", "tokens_kl")
 
 
 def train_step(
@@ -184,13 +184,14 @@ def _stack(group: list[Batch]) -> tuple[Tensor, Tensor, Tensor]:
 @torch.no_grad()
 def _add_metrics(sums: Tensor, batch: Batch, logprobs: Tensor, entropy: Tensor, masked: Tensor, loss: Tensor) -> None:
     mask = batch.loss_mask
+    sampled = mask if batch.mode != "sft" else torch.zeros_like(mask)  # sft tokens were not sampled from π's server
     log_ratio = logprobs - batch.inference_logprobs
-    k3 = torch.where(mask, log_ratio.exp() - 1 - log_ratio, 0.0)  # KL(μ‖π) estimator, ≥ 0
-    on = mask & batch.on_policy
+    k3 = torch.where(sampled, log_ratio.exp() - 1 - log_ratio, 0.0)  # KL(μ‖π) estimator, ≥ 0
+    on = sampled & batch.on_policy
     values = {
         f"loss/{batch.mode}": loss, f"tokens/{batch.mode}": mask.sum(),
         "entropy": torch.where(mask, entropy, 0.0).sum(), "masked": (masked & mask).sum(),
-        "kl_on": torch.where(on, k3, 0.0).sum(), "tokens_on": on.sum(), "kl_all": k3.sum(),
+        "kl_on": torch.where(on, k3, 0.0).sum(), "tokens_on": on.sum(), "kl_all": k3.sum(), "tokens_kl": sampled.sum(),
         "tokens": float(len(batch.input_ids)), "samples": float(len(batch.sample_lengths)),
         "reward": float(batch.rewards.sum()), "off_policy": batch.steps_off_policy,
         "attn_sq": float((batch.sample_lengths.astype(np.float64) ** 2).sum()),
@@ -220,7 +221,8 @@ def _metrics(s: dict[str, float], policy: nn.Module, grad_norm: float, lr: float
     m["masked_fraction"] = s["masked"] / max(loss_tokens, 1)
     if s["tokens_on"]:
         m["mismatch_kl"] = s["kl_on"] / s["tokens_on"]
-    m["mismatch_kl_all"] = s["kl_all"] / max(loss_tokens, 1)
+    if s["tokens_kl"]:
+        m["mismatch_kl_all"] = s["kl_all"] / s["tokens_kl"]
     m["grad_norm"] = grad_norm
     m["lr"] = lr
     m["tokens"] = s["tokens"]

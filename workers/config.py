@@ -222,9 +222,10 @@ class RlbusConfig(Section):
         """Per-env inheritance (group_size, max_retries, mode, sampling and advantage, field by field) and bench
         mode, resolved once so that every worker and ``config.resolved.toml`` see the effective values."""
         for env in self.env:
+            if "mode" not in env.model_fields_set:
+                env.mode = self.training_mode
             reference = env.mode == "sft" and env.sft_source == "reference"
-            for field, value in (("group_size", 1 if reference else self.group_size),
-                                 ("max_retries", self.max_retries), ("mode", self.training_mode)):
+            for field, value in (("group_size", 1 if reference else self.group_size), ("max_retries", self.max_retries)):
                 if field not in env.model_fields_set:
                     setattr(env, field, value)
             env.sampling = inherit(self.sampling, env.sampling)

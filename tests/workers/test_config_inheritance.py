@@ -170,6 +170,9 @@ def test_sft_from_reference_answers_needs_no_teacher_and_one_sample_per_task():
     config = load_config([], [("env.0.id", "reasoning_gym"), ("env.0.mode", "sft"),
                               ("env.0.sft_source", "reference"), ("packer.batch_size", "8")])
     assert config.teacher is None and config.env[0].group_size == 1
+    inherited = load_config([], [("training_mode", "sft"), ("env.0.id", "reasoning_gym"),
+                                 ("env.0.sft_source", "reference")])
+    assert (inherited.env[0].mode, inherited.env[0].group_size) == ("sft", 1)
     with pytest.raises(ConfigError, match="or sft_source = \"reference\""):
         load_config([], [("env.0.id", "echo_chars"), ("env.0.mode", "sft")])
     with pytest.raises(ConfigError, match="set its group_size = 1, not 4"):

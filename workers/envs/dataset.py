@@ -12,6 +12,7 @@ mathematically equal to the answer). The answer is also the example's reference,
 lists its columns. Needs ``pip install 'rlbus[data]'``.
 """
 
+import csv
 from difflib import SequenceMatcher
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,11 @@ def exact(example: Example, messages: list[Message], state: State) -> float:
 
 
 def lcs(example: Example, messages: list[Message], state: State) -> float:
-    """Similarity ratio of the reply to the answer (1.0 = equal)."""
-    return SequenceMatcher(None, last_reply(messages).strip(), str(example["answer"]).strip()).ratio()
+    """Similarity ratio of the reply to the answer (1.0 = equal; no junk heuristic, so long answers score fairly)."""
+    return SequenceMatcher(None, last_reply(messages).strip(), str(example["answer"]).strip(), autojunk=False).ratio()
 
 
-def math(example: Example, messages: list[Message], state: State) -> float:
+def math_equal(example: Example, messages: list[Message], state: State) -> float:
     """1.0 when math-verify finds the reply's answer equal to the reference answer."""
     from math_verify import parse, verify
 
@@ -44,7 +45,7 @@ def math(example: Example, messages: list[Message], state: State) -> float:
     return float(bool(gold) and bool(reply) and verify(gold, reply))
 
 
-REWARDS = {"exact": exact, "lcs": lcs, "math": math}
+REWARDS = {"exact": exact, "lcs": lcs, "math": math_equal}
 
 
 def read_rows(path: str, fmt: str | None = None) -> list[dict[str, Any]]:
@@ -61,7 +62,13 @@ def read_rows(path: str, fmt: str | None = None) -> list[dict[str, Any]]:
         raise ValueError(f"path={path!r}: cannot tell its format from {file.suffix!r}; pass format = one of "
                          f"{sorted(set(FORMATS.values()))}")
     datasets.disable_progress_bars()
-    return list(datasets.load_dataset(builder, data_files=str(file), split="train"))
+    options = {}
+    if builder == "csv":  # every column as text, as written ("007" stays "007", an empty cell stays empty)
+        with open(file, newline="") as f:
+            header = next(csv.reader(f), [])
+        options = {"features": datasets.Features({name: datasets.Value("string") for name in header}),
+                   "keep_default_na": False}
+    return list(datasets.load_dataset(builder, data_files=str(file), split="train", **options))
 
 
 def load_environment(path: str, prompt_field: str = "prompt", answer_field: str = "answer",
@@ -82,6 +89,9 @@ def load_environment(path: str, prompt_field: str = "prompt", answer_field: str 
     missing = [f for f in (source, answer_field) if f not in rows[0]]
     if missing:
         raise ValueError(f"{path} has no field {missing[0]!r}; its columns are {sorted(rows[0])}")
+    empty = [i for i, row in enumerate(rows) if row[answer_field] in (None, "") or row[answer_field] != row[answer_field]]
+    if empty:
+        raise ValueError(f"{path}: rows {empty[:5]} have no {answer_field!r} (empty or NaN); fill or drop them")
     data = [{"id": i, "prompt": row[source], "answer": row[answer_field]} for i, row in enumerate(rows)]
 
     def prompt(example: Example) -> list[Message]:

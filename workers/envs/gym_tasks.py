@@ -27,6 +27,8 @@ def load_environment(dataset: str, size: int = 1000, seed: int = 0, system_promp
     except (KeyError, ValueError, TypeError) as e:
         raise ValueError(f"reasoning-gym cannot build {dataset!r} with {config}: {e}") from e
     entries = [dict(entry) for entry in generated]
+    if any(entry.get("answer") is None for entry in entries):
+        raise ValueError(f"reasoning-gym's {dataset!r} gives examples without an answer; it cannot be a reference")
 
     def prompt(example: Example) -> list[Message]:
         head = [{"role": "system", "content": system_prompt}] if system_prompt else []

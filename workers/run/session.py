@@ -103,8 +103,14 @@ class RunSession:
     # Start-up.
 
     def prepare_output(self) -> None:
+        fresh = not (self.resume or self.attach)
+        model = Path(self.config.model.path).resolve()
+        for name in RUN_STATE if fresh else ():
+            if model.is_relative_to((self.output_dir / name).resolve()):
+                raise ConfigError(f"model.path={self.config.model.path!r} lies in this run's {name}/, which a fresh run "
+                                  "clears; give this stage its own run.output_dir (or resume with --resume)")
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if self.resume or self.attach:
+        if not fresh:
             return
         for name in RUN_STATE:
             path = self.output_dir / name
@@ -384,9 +390,13 @@ def check_envs(config: RlbusConfig) -> None:
     for section, envs in (("env", config.env), ("eval.env", config.eval.env)):
         for i, env in enumerate(envs):
             try:
-                load_env(env.id, env.args)
+                loaded = load_env(env.id, env.args)
             except ConfigError as e:
                 raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): {e}") from e
+            if env.mode == "sft" and env.sft_source == "reference" and loaded.reference_fn is None:
+                raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): sft_source = \"reference\" but env "
+                                  f"{env.id!r} has no reference answers; use an env that has them (dataset, "
+                                  "reasoning_gym) or sft_source = \"teacher\"")
 
 
 def eval_sizes(config: RlbusConfig) -> dict[str, int]:

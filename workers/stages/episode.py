@@ -304,6 +304,8 @@ class ReferenceRunner:
                                f"inference.max_model_len={self.max_model_len}; raise it or shorten the examples")
         version = self.fallback_version()
         ep.add_model_turn(ids, [0.0] * len(ids), (version, version))
+        stepped = await timer.time("env_s", env.step(index=task.example_index, messages=ep.messages, state=ep.state))
+        ep.state = dict(stepped.get("state") or {})
         scored = await timer.time("score_s", env.score(index=task.example_index, messages=ep.messages, state=ep.state))
         ep.reward = float(scored["reward"])
         ep.metrics = dict(scored.get("metrics") or {})

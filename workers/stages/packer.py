@@ -46,6 +46,7 @@ from bus.messages import Metric, RolloutGroup, Sample, task_position
 from bus.policy import PolicyTracker
 from bus.state import (
     DATA_EXHAUSTED,
+    EXHAUSTED_EPOCHS_FIELD,
     FEEDER_DONE_FIELD,
     INFLIGHT_FIELD,
     LAST_STEP_FIELD,
@@ -180,7 +181,8 @@ class PackerWorker:
                 await self._read(reclaim)
                 continue
             if self.exhausted and not self.held:
-                await self.bus.state_set(**{STOP_REASON_FIELD: DATA_EXHAUSTED})
+                await self.bus.state_set(**{STOP_REASON_FIELD: DATA_EXHAUSTED,
+                                            EXHAUSTED_EPOCHS_FIELD: self.config.feeder.max_epochs})
                 self.log.info("packer_done", last_step=self.last_step, reason=DATA_EXHAUSTED)
                 return
             if not await self._allowed(step):

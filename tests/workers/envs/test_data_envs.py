@@ -67,3 +67,19 @@ def test_reasoning_gym_tasks_are_generated_offline_and_scored_by_their_own_score
         assert episode(env, index, "zzz") == 0.0
     with pytest.raises(ConfigError, match="reasoning-gym cannot build 'no_such_task'"):
         load_env("reasoning_gym", {"dataset": "no_such_task"})
+
+
+def test_csv_answers_stay_text_long_answers_score_fairly_and_empty_answers_are_refused(tmp_path):
+    path = tmp_path / "codes.csv"
+    path.write_text("prompt,answer\nfirst,007\nsecond,1e3\n")
+    env = load_env("dataset", {"path": str(path)})
+    assert [env.reference(i) for i in range(2)] == ["007", "1e3"]
+    long = tmp_path / "long.jsonl"
+    answer = "abcdefghij" * 40
+    long.write_text(json.dumps({"prompt": "p", "answer": answer}) + "\n")
+    lcs = load_env("dataset", {"path": str(long), "reward": "lcs"})
+    assert episode(lcs, 0, answer[:-1] + "X") > 0.99  # one wrong character in 400
+    empty = tmp_path / "empty.csv"
+    empty.write_text("prompt,answer\nfirst,\nsecond,2\n")
+    with pytest.raises(ConfigError, match=r"rows \[0\] have no 'answer'"):
+        load_env("dataset", {"path": str(empty)})

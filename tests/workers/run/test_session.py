@@ -6,15 +6,32 @@ import sys
 from tests.paths import REPO
 
 
+def run_fails(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workers.cli", "run", "@", str(REPO / "configs" / "default.toml"),
+                           *flags], capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
 def test_an_unknown_env_id_stops_the_run_before_anything_starts(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "run", "@", str(REPO / "configs" / "default.toml"),
-         "--env.0.id", "no_such_env", "--run.output_dir", str(out)],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
-    )
+    proc = run_fails("--env.0.id", "no_such_env", "--run.output_dir", str(out))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr
     assert "env.0" in lines[0] and "unknown env id 'no_such_env'" in lines[0] and "echo_chars" in lines[0]
     assert not out.exists()
+
+
+def test_sft_from_references_of_an_env_without_any_stops_before_anything_starts(tmp_path):
+    out = tmp_path / "out"
+    proc = run_fails("--env.0.mode", "sft", "--env.0.sft_source", "reference", "--env.0.group_size", "1",
+                     "--run.output_dir", str(out))
+    assert proc.returncode == 2 and "env 'echo_chars' has no reference answers" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+def test_a_model_inside_the_state_a_fresh_run_clears_is_refused(tmp_path):
+    out = tmp_path / "out"
+    (out / "weights" / "step_60").mkdir(parents=True)
+    proc = run_fails("--run.output_dir", str(out), "--model.path", str(out / "weights" / "step_60"))
+    assert proc.returncode == 2 and "lies in this run's weights/, which a fresh run clears" in proc.stderr, proc.stderr
+    assert (out / "weights" / "step_60").exists()

@@ -316,17 +316,24 @@ def test_a_dynamic_batch_takes_what_is_queued_up_to_max_batch_size(bus, redis_ur
 
 def test_end_of_data_counts_for_the_epochs_it_was_reached_with_and_repairs_a_lost_release(
         bus, redis_url, run_name, model_dir):
-    from bus.state import DATA_EXHAUSTED, FEEDER_DONE_FIELD, STOP_REASON_FIELD, exhausted_at
+    from bus.state import (
+        DATA_EXHAUSTED,
+        EXHAUSTED_EPOCHS_FIELD,
+        FEEDER_DONE_FIELD,
+        STOP_REASON_FIELD,
+        exhausted_at,
+    )
 
     cfg = config(redis_url, run_name, model_dir).model_copy(deep=True)
     cfg.feeder.max_epochs = 2
 
     async def main():
         async with bus("test") as b:
-            # the feeder finished one epoch under an older config: with max_epochs = 2 the data is not exhausted
-            await b.state_set(**{"inflight": 0, FEEDER_DONE_FIELD: 1, STOP_REASON_FIELD: DATA_EXHAUSTED})
+            # an earlier run with max_epochs = 1 ran out; resumed with max_epochs = 2 it is not over, even once the
+            # feeder has issued its last task (feeder:done = 2) and the old stop reason is still there
+            await b.state_set(**{"inflight": 0, FEEDER_DONE_FIELD: 2, STOP_REASON_FIELD: DATA_EXHAUSTED,
+                                 EXHAUSTED_EPOCHS_FIELD: 1})
             assert await exhausted_at(b, 2) is None and await exhausted_at(b, 1) == 0
-            await b.redis.hdel(b.keys.state(), STOP_REASON_FIELD)
             await publish_trained(b, 0)
             await b.publish(b.keys.filtered(ENV), group(1, [1.0, 0.0]))
             # now both epochs are out; one group's release was lost (inflight says 2 more than the streams hold)
@@ -337,5 +344,28 @@ def test_end_of_data_counts_for_the_epochs_it_was_reached_with_and_repairs_a_los
             await worker.close()
             assert await exhausted_at(b, 2) == 1
             assert [mb.step for mb in await micro_batches(b, 1)] and await b.state_get("inflight") == "0"
+
+    asyncio.run(main())
+
+
+
+def test_sft_groups_are_never_stale(bus, redis_url, run_name, model_dir):
+    cfg = config(redis_url, run_name, model_dir, max_off_policy_steps=0)
+
+    async def main():
+        async with bus("test") as b:
+            await b.state_set(**{LAST_STEP_FIELD: 4, "inflight": 4})
+            await publish_trained(b, 4)
+            old = group(1, [1.0, 0.0], version=0)  # four versions behind: stale for rl, not for sft
+            sft = [x.model_copy(update={"mode": "sft"}) for x in old.samples]
+            await b.publish(b.keys.filtered(ENV), old.model_copy(update={"mode": "sft", "samples": sft}))
+            await b.publish(b.keys.filtered(ENV), group(2, [1.0, 0.0], version=0))
+            worker = PackerWorker(cfg, worker="packer-0")
+            await worker.setup()
+            await read_all(worker)
+            worker._drop_stale(5)
+            assert [h.group.task_id for h in worker.held] == [f"{ENV}:0:1"]
+            assert [h.group.task_id for h in worker.stale] == [f"{ENV}:0:2"]
+            await worker.close()
 
     asyncio.run(main())
