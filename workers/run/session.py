@@ -202,6 +202,7 @@ class RunSession:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._signal)
         await asyncio.to_thread(check_envs, self.config)
+        check_models(self.config)
         self.prepare_output()
         bus = None
         try:
@@ -383,6 +384,23 @@ class RunSession:
             print(f"rlbus run: {self.fatal}", file=sys.stderr)
             return 1
         return 0
+
+
+def missing_local_folder(path: str) -> bool:
+    """A path that names a local folder (absolute, relative with ./ or ../, or deeper than a hub's org/name) that
+    is not there; ``org/name`` may be a hub id, left to transformers where a hub is reachable."""
+    if Path(path).exists():
+        return False
+    return Path(path).is_absolute() or path.startswith(".") or path.strip("/").count("/") >= 2
+
+
+def check_models(config: RlbusConfig) -> None:
+    """The teacher's folder exists before anything starts (the policy's is built from model.init_preset)."""
+    teacher = config.teacher.path if config.teacher is not None else None
+    if teacher is not None and needs_teacher_server(config) and missing_local_folder(teacher):
+        raise ConfigError(f"teacher.path={teacher!r} does not exist; put a teacher there (a trained run's weights "
+                          f"folder, or `rlbus init-model --out {teacher}` for a random one to try the pipeline) or "
+                          "list running teacher servers in teacher.base_urls")
 
 
 def check_envs(config: RlbusConfig) -> None:

@@ -35,3 +35,13 @@ def test_a_model_inside_the_state_a_fresh_run_clears_is_refused(tmp_path):
     proc = run_fails("--run.output_dir", str(out), "--model.path", str(out / "weights" / "step_60"))
     assert proc.returncode == 2 and "lies in this run's weights/, which a fresh run clears" in proc.stderr, proc.stderr
     assert (out / "weights" / "step_60").exists()
+
+
+def test_a_teacher_folder_that_is_not_there_is_one_line_naming_the_fix(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "workers.cli", "run", "@", str(REPO / "configs" / "opd.toml"),
+                           "--teacher.path", str(tmp_path / "no_teacher"), "--run.output_dir", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"teacher.path='{tmp_path / 'no_teacher'}' does not exist" in proc.stderr
+    assert "rlbus init-model --out" in proc.stderr and not out.exists()
