@@ -173,11 +173,10 @@ class Bus:
                 await self.ack(stream, group, [entry_id])
                 continue
             count = deliveries.get(entry_id, 1)
-            size = entry_size(fields)
-            if size > self.cfg.max_entry_bytes:
+            oversize = self._oversize(fields)
+            if oversize is not None:
                 cut = {k: v[:KEPT_BYTES] for k, v in fields.items()}
-                await self.dead_letter(stream, entry_id, cut, reason=f"entry of {size} bytes exceeds "
-                                       f"redis.max_entry_bytes={self.cfg.max_entry_bytes}", group=group, deliveries=count)
+                await self.dead_letter(stream, entry_id, cut, reason=oversize, group=group, deliveries=count)
                 continue
             try:
                 message = decode(fields)
@@ -460,10 +459,17 @@ class Bus:
                 self.log.error("entry_undecodable", stream=stream, entry_id=as_str(raw_id), error=str(e))
         return None
 
-    def _decode_fanout(self, fields: dict[bytes, bytes]) -> Message:
+    def _oversize(self, fields: dict[bytes, bytes]) -> str | None:
+        """Why an entry is too big to decode (None: it is not)."""
         size = entry_size(fields)
         if size > self.cfg.max_entry_bytes:
-            raise DecodeError(f"entry of {size} bytes exceeds redis.max_entry_bytes={self.cfg.max_entry_bytes}")
+            return f"entry of {size} bytes exceeds redis.max_entry_bytes={self.cfg.max_entry_bytes}"
+        return None
+
+    def _decode_fanout(self, fields: dict[bytes, bytes]) -> Message:
+        oversize = self._oversize(fields)
+        if oversize is not None:
+            raise DecodeError(oversize)
         return decode(fields)
 
     # The run's state hash.

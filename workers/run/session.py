@@ -201,7 +201,7 @@ class RunSession:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._signal)
-        await asyncio.to_thread(check_envs, self.config)
+        self.eval_sizes = await asyncio.to_thread(check_envs, self.config)
         check_models(self.config)
         self.prepare_output()
         bus = None
@@ -255,7 +255,7 @@ class RunSession:
         """The eval coordinator (None without [[eval.env]]); sets the first eval hold before any server starts."""
         if not self.config.eval.env:
             return None
-        evaluator = EvalCoordinator(self.config, bus, eval_sizes(self.config))
+        evaluator = EvalCoordinator(self.config, bus, self.eval_sizes)
         await evaluator.setup()
         return evaluator
 
@@ -403,8 +403,10 @@ def check_models(config: RlbusConfig) -> None:
                           "list running teacher servers in teacher.base_urls")
 
 
-def check_envs(config: RlbusConfig) -> None:
-    """Load every train and eval env once, in-process, so a bad id or args stops the run before anything starts."""
+def check_envs(config: RlbusConfig) -> dict[str, int]:
+    """Load every train and eval env once, in-process, so a bad id or args stops the run before anything starts;
+    returns the dataset size of each eval env (the eval coordinator picks its examples from them)."""
+    eval_sizes = {}
     for section, envs in (("env", config.env), ("eval.env", config.eval.env)):
         for i, env in enumerate(envs):
             try:
@@ -415,11 +417,9 @@ def check_envs(config: RlbusConfig) -> None:
                 raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): sft_source = \"reference\" but env "
                                   f"{env.id!r} has no reference answers; use an env that has them (dataset, "
                                   "reasoning_gym) or sft_source = \"teacher\"")
-
-
-def eval_sizes(config: RlbusConfig) -> dict[str, int]:
-    """Examples in each eval env's dataset (built in-process: envs are plain Python)."""
-    return {env.resolved_name: len(load_env(env.id, env.args)) for env in config.eval.env}
+            if section == "eval.env":
+                eval_sizes[env.resolved_name] = len(loaded)
+    return eval_sizes
 
 
 def _tail(path: Path | str, lines: int = 20) -> str:

@@ -168,6 +168,13 @@ class Timer:
             self.totals[phase] = self.totals.get(phase, 0.0) + time.monotonic() - started
 
 
+async def score_episode(ep: Episode, task: Task, env: Any, timer: Timer) -> None:
+    """The env's reward and metrics of a finished episode, into the episode."""
+    scored = await timer.time("score_s", env.score(index=task.example_index, messages=ep.messages, state=ep.state))
+    ep.reward = float(scored["reward"])
+    ep.metrics = dict(scored.get("metrics") or {})
+
+
 class GroupRunner:
     """Rolls out one task: ``group_size`` episodes against one env server and one inference server.
 
@@ -199,7 +206,7 @@ class GroupRunner:
             self._add_turn(ep, choice, self._versions(first, task))
             episodes.append(ep)
         await asyncio.gather(*(self._play(ep, task, env, limit, max_turns, server, timer) for ep in episodes))
-        await asyncio.gather(*(self._score(ep, task, env, timer) for ep in episodes))
+        await asyncio.gather(*(score_episode(ep, task, env, timer) for ep in episodes))
         if task.mode == "opd":
             await asyncio.gather(*(self._teacher_logprobs(ep, timer) for ep in episodes))
         temperature = 1.0 if sampling.temperature is None else sampling.temperature  # None: the server's default
@@ -263,11 +270,6 @@ class GroupRunner:
             result = await timer.time("generate_s", self._sample(ep.tokens, 1, limit, server, spent))
             self._add_turn(ep, result.choices[0], self._versions(result, task))
 
-    async def _score(self, ep: Episode, task: Task, env: Any, timer: Timer) -> None:
-        scored = await timer.time("score_s", env.score(index=task.example_index, messages=ep.messages, state=ep.state))
-        ep.reward = float(scored["reward"])
-        ep.metrics = dict(scored.get("metrics") or {})
-
     async def _teacher_logprobs(self, ep: Episode, timer: Timer) -> None:
         """opd: the teacher's logprob of every completion token, by prefilling prompt + completion."""
         result = await timer.time("teacher_s", self.teacher.completions(
@@ -306,8 +308,6 @@ class ReferenceRunner:
         ep.add_model_turn(ids, [0.0] * len(ids), (version, version))
         stepped = await timer.time("env_s", env.step(index=task.example_index, messages=ep.messages, state=ep.state))
         ep.state = dict(stepped.get("state") or {})
-        scored = await timer.time("score_s", env.score(index=task.example_index, messages=ep.messages, state=ep.state))
-        ep.reward = float(scored["reward"])
-        ep.metrics = dict(scored.get("metrics") or {})
+        await score_episode(ep, task, env, timer)
         return [ep.to_sample(1.0)], timer.totals
 
