@@ -56,7 +56,9 @@ class Section(BaseModel):
 class RedisConfig(Section):
     url: str | None = None
     """Redis URL (``redis://host:port/db``, or ``rediss://`` for TLS, with redis-py's query options such as
-    ``?ssl_ca_certs=/path/ca.pem``). None: ``rlbus run`` starts a private redis-server; other roles fail."""
+    ``?ssl_ca_certs=/path/ca.pem``), or ``redis+sentinel://HOST:PORT,HOST:PORT,…/PRIMARY[/DB]`` for the primary
+    the sentinels monitor as ``PRIMARY`` (it follows a failover). None: ``rlbus run`` starts a private
+    redis-server; other roles fail."""
 
     maxlen: int = Field(10_000, ge=1)
     """Approximate MAXLEN of ``metrics`` and ``dead`` (XADD ``MAXLEN ~``; ``rlbus run`` keeps every metrics row in
@@ -81,6 +83,15 @@ class RedisConfig(Section):
     with its fields cut to their first KiB (a consumer-group stream) or skipped (a fan-out reader), so one
     oversized entry cannot exhaust a worker's memory while it is decoded. The default (64 MiB) is far above
     any real group or micro-batch."""
+
+    wait_replicas: int = Field(0, ge=0)
+    """Replicas every commit (a stage's outputs with its acks, a trained step, a weights event) waits for
+    (Redis ``WAIT``) before the worker goes on, so a failover does not lose what the run already acted on as done.
+    0: no waiting (a Redis without replicas)."""
+
+    wait_timeout_ms: int = Field(1_000, ge=1)
+    """How long a commit waits for ``wait_replicas``; past it the worker logs ``replication_lagging`` and goes on
+    (the write is on the primary, not yet on enough replicas)."""
 
     password_var: str | None = None
     """Environment variable holding the Redis password (AUTH), so it stays out of URLs, files and logs;

@@ -16,6 +16,7 @@ import time
 import redis
 from redis.exceptions import RedisError
 
+from bus.clients import sync_client
 from bus.errors import RlbusError
 from bus.streams import Bus
 
@@ -63,7 +64,7 @@ class Lease:
 
     def keep_in_thread(self, url: str, password: str | None) -> "LeaseKeeper":
         """Renew from a daemon thread over its own connection; check :meth:`LeaseKeeper.check` between steps."""
-        keeper = LeaseKeeper(self, redis.Redis.from_url(url, password=password, socket_timeout=self.ttl_ms / 3000))
+        keeper = LeaseKeeper(self, sync_client(url, password=password, socket_timeout=self.ttl_ms / 3000))
         keeper.start()
         return keeper
 

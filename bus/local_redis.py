@@ -13,6 +13,7 @@ from pathlib import Path
 
 import redis
 
+from bus.clients import sync_client
 from bus.errors import RedisNotInstalledError, RlbusError
 
 INSTALL_HINT = "apt-get install -y redis-server (macOS: brew install redis)"
@@ -39,7 +40,7 @@ def redis_binary() -> str:
 def redis_answers(url: str, password: str | None = None) -> bool:
     """Whether the Redis at ``url`` answers PING right now."""
     try:
-        with redis.Redis.from_url(url, socket_connect_timeout=0.5, password=password) as client:
+        with sync_client(url, socket_connect_timeout=0.5, password=password) as client:
             return bool(client.ping())
     except redis.RedisError:
         return False

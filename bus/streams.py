@@ -22,6 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from bus.clients import async_client
 from bus.commit import COMMIT_LUA, RENEW_LUA, CommandRecorder, CommitConflict, NotOwned, commit_args
 from bus.config import RedisConfig, redact, redis_password
 from bus.errors import DecodeError, RlbusError
@@ -92,7 +93,7 @@ class Bus:
         ``cfg.password_var`` when set (else from the URL)."""
         retry = Retry(ExponentialBackoff(cap=RECONNECT_MAX_S, base=RECONNECT_BASE_S),
                       retries=reconnect_tries(cfg.reconnect_timeout_s))
-        client = aioredis.Redis.from_url(url, decode_responses=False, retry=retry, password=redis_password(cfg),
+        client = async_client(url, decode_responses=False, retry=retry, password=redis_password(cfg),
                                          retry_on_error=[RedisConnectionError, RedisTimeoutError])
         pool = client.connection_pool
         pool.connection_class = fast_packing(pool.connection_class)
@@ -427,6 +428,11 @@ class Bus:
                            f"(another consumer reclaimed it, or this commit already went through); nothing was written")
         if status == "conflict":
             raise CommitConflict(f"{as_str(reply[1])} {as_str(reply[2])} is {reply[3]!r}, expected {guard[2]!r}")
+        if self.cfg.wait_replicas:
+            replicas = await self.redis.wait(self.cfg.wait_replicas, self.cfg.wait_timeout_ms)
+            if replicas < self.cfg.wait_replicas:
+                self.log.warning("replication_lagging", replicas=replicas, wanted=self.cfg.wait_replicas,
+                                 waited_ms=self.cfg.wait_timeout_ms)
         return [as_str(i) for i in reply[1:]]
 
     # Fan-out reads (no group): weights, policy, metrics.

@@ -96,6 +96,11 @@ class TrainerConfig(Section):
     reference; ``kl_ref`` reports the estimate per step. 0: off, no reference model is loaded. Separate from the
     loss's ``kl_tau``, which ties π to the inference policy μ."""
 
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus of rl tokens: each rl loss token's loss gets ``− coef · H(π(·|context))`` (the whole
+    vocabulary's entropy at the token's temperature), which holds exploration up against collapse. 0: off (the
+    entropy is then only a metric, at no backward cost)."""
+
     kl_penalty_reference_step: int | None = Field(None, ge=1)
     """The reference of ``kl_penalty_coef``: None = the initial weights (``model.path``); a step = that step's
     weights in ``output_dir/weights`` (never pruned while they are the reference)."""

@@ -25,22 +25,31 @@ def chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Te
     return target - lse, lse - (probs * logits).sum(-1)
 
 
-def chunk_logits_grad(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, grad_out: Tensor) -> Tensor:
-    """d(Σ grad_out · logprob) / d(hidden Wᵀ) of one chunk, ``[n, V]`` in the weight's dtype.
+def chunk_logits_grad(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, grad_out: Tensor,
+                      grad_entropy: Tensor | None = None) -> Tensor:
+    """d(Σ grad_out · logprob + Σ grad_entropy · entropy) / d(hidden Wᵀ) of one chunk, ``[n, V]`` in the weight's
+    dtype.
 
-    ``d logp[target] / d logits = onehot(target) − softmax``, times the incoming gradient and 1/τ.
+    ``d logp[target] / d logits = onehot(target) − p`` and ``d H / d logits = −p · (log p + H)``, times the
+    incoming gradients and 1/τ.
     """
-    probs = ((hidden @ weight.t()).float() * inv_temp[:, None]).softmax(-1)
+    logits = (hidden @ weight.t()).float() * inv_temp[:, None]
+    logp = logits.log_softmax(-1) if grad_entropy is not None else None
+    probs = logits.softmax(-1) if logp is None else logp.exp()
     columns = torch.arange(probs.shape[-1], device=probs.device)
-    grad = torch.where(columns[None, :] == targets[:, None], 1.0 - probs, -probs)
-    return (grad * (grad_out * inv_temp)[:, None]).to(weight.dtype)
+    grad = torch.where(columns[None, :] == targets[:, None], 1.0 - probs, -probs) * grad_out[:, None]
+    if logp is not None:
+        entropy = -(probs * logp).sum(-1)
+        grad = grad - probs * (logp + entropy[:, None]) * grad_entropy[:, None]
+    return (grad * inv_temp[:, None]).to(weight.dtype)
 
 
 class ChunkedLogprobs(torch.autograd.Function):
     """``log softmax(h Wᵀ / τ)[target]`` and the entropy of that distribution, chunk by chunk.
 
     Shapes: hidden ``[T, H]``, weight ``[V, H]``, targets ``[T]`` (int64), inv_temp ``[T]`` (fp32)
-    → logprobs ``[T]`` fp32 (differentiable), entropy ``[T]`` fp32 (a metric: no gradient).
+    → logprobs ``[T]`` fp32 and entropy ``[T]`` fp32, both differentiable (the entropy's backward costs nothing
+    unless a loss uses it: ``trainer.entropy_coef``).
     ``fns`` is ``(chunk_logprobs, chunk_logits_grad)`` or torch.compiled versions of them (one
     fused kernel per chunk instead of a dozen passes over ``[chunk, V]`` fp32).
     """
@@ -56,18 +65,21 @@ class ChunkedLogprobs(torch.autograd.Function):
                                                                inv_temp[start:end])
         ctx.save_for_backward(hidden, weight, targets, inv_temp)
         ctx.chunk_size, ctx.fns = chunk_size, fns
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output no loss used gets None, not zeros: no work for it
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
         hidden, weight, targets, inv_temp = ctx.saved_tensors
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            grad = ctx.fns[1](h, weight, targets[start:end], inv_temp[start:end], grad_logprobs[start:end])
+            grad = ctx.fns[1](h, weight, targets[start:end], inv_temp[start:end], grad_logprobs[start:end],
+                              None if grad_entropy is None else grad_entropy[start:end])
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad @ weight
             if grad_weight is not None:
@@ -84,7 +96,7 @@ class TokenLogprobs:
     logprobs: Tensor
     """``[T]`` fp32 logprob of token t given the sample's tokens before it (differentiable)."""
     entropy: Tensor
-    """``[T]`` fp32 entropy of the distribution token t was drawn from (no gradient)."""
+    """``[T]`` fp32 entropy of the distribution token t was drawn from (differentiable)."""
 
 
 class PolicyModel(nn.Module):

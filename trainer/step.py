@@ -6,7 +6,8 @@ mode's loss is its summed per-token loss over the whole step divided by its toke
 micro-batches and ranks. Metric sums are all-reduced once at the end of the step. A step whose gradient
 norm is not finite (a NaN or inf anywhere in the loss or the gradients) is not applied: neither the
 optimizer nor the schedule moves, and ``skipped_nonfinite`` = 1 says so. With a ``reference`` policy
-(``trainer.kl_penalty_coef``), each rl token's advantage is lowered by ``coef · sg(logπ − logπ_ref)``.
+(``trainer.kl_penalty_coef``), each rl token's advantage is lowered by ``coef · sg(logπ − logπ_ref)``; with
+``trainer.entropy_coef``, each rl token's loss by ``coef · H``.
 """
 
 import math
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 
 from bus.messages import MODES, MicroBatch
 from trainer.dist import DistContext, all_reduce_max, all_reduce_sum, set_grad_sync
-from trainer.losses import LossFn, LossInputs, reduce_loss
+from trainer.losses import LossFn, LossInputs, LossTerms, reduce_loss
 
 # bf16 dense peak FLOP/s by GPU name fragment, for MFU.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -86,7 +87,7 @@ def train_step(
     policy: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
     batches: list[Batch], *, loss_fns: dict[str, LossFn], ctx: DistContext, step: int,
     max_grad_norm: float | None, n_params: int = 0, wait_s: float = 0.0, forward_batch: int = 1,
-    reference: nn.Module | None = None, kl_penalty_coef: float = 0.0,
+    reference: nn.Module | None = None, kl_penalty_coef: float = 0.0, entropy_coef: float = 0.0,
 ) -> dict[str, float]:
     """Forward/backward every local micro-batch, clip, step AdamW (unless the gradient is not finite) and the
     schedule; return the step's metrics.
@@ -107,7 +108,8 @@ def train_step(
     groups = [batches[i : i + forward_batch] for i in range(0, len(batches), forward_batch)]
     for i, group in enumerate(groups):
         set_grad_sync(policy, i == len(groups) - 1)
-        _forward_backward(policy, group, loss_fns, mode_tokens, ctx.world_size, sums, reference, kl_penalty_coef)
+        _forward_backward(policy, group, loss_fns, mode_tokens, ctx.world_size, sums, reference, kl_penalty_coef,
+                          entropy_coef)
     grad_norm = _clip(policy, max_grad_norm)
     lr = optimizer.param_groups[0]["lr"]
     finite = math.isfinite(grad_norm)  # the same on every rank: the norm is over the whole model
@@ -129,7 +131,8 @@ def train_step(
 
 def _forward_backward(policy: nn.Module, group: list[Batch], loss_fns: dict[str, LossFn],
                       mode_tokens: dict[str, float], world_size: int, sums: Tensor,
-                      reference: nn.Module | None = None, kl_penalty_coef: float = 0.0) -> None:
+                      reference: nn.Module | None = None, kl_penalty_coef: float = 0.0,
+                      entropy_coef: float = 0.0) -> None:
     """One forward/backward pass over the micro-batches of ``group`` (the rows of one padded batch)."""
     rows = _run(policy, group)
     references = [None] * len(group)
@@ -147,10 +150,12 @@ def _forward_backward(policy: nn.Module, group: list[Batch], loss_fns: dict[str,
                             advantages=advantages, loss_mask=batch.loss_mask,
                             teacher_logprobs=batch.teacher_logprobs)
         terms = loss_fns[batch.mode](inputs)
+        if entropy_coef and batch.mode == "rl":
+            terms = LossTerms(loss=terms.loss - entropy_coef * entropy, masked=terms.masked)
         loss = reduce_loss(terms, batch.loss_mask, mode_tokens[batch.mode])
         total = total + loss * (batch.weight * world_size)
         if batch.weight:
-            _add_metrics(sums, batch, logprobs.detach(), entropy, terms.masked, loss.detach())
+            _add_metrics(sums, batch, logprobs.detach(), entropy.detach(), terms.masked, loss.detach())
     total.backward()
 
 

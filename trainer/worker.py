@@ -242,7 +242,7 @@ class TrainerWorker:
         return train_step(self.policy, self.optimizer, self.scheduler, batches, loss_fns=self.loss_fns, ctx=self.ctx,
                           step=step, max_grad_norm=self.cfg.max_grad_norm, n_params=self.n_params, wait_s=wait_s,
                           forward_batch=self.cfg.forward_batch, reference=self.reference,
-                          kl_penalty_coef=self.cfg.kl_penalty_coef)
+                          kl_penalty_coef=self.cfg.kl_penalty_coef, entropy_coef=self.cfg.entropy_coef)
 
     async def publish_weights(self, step: int, republish: bool = False) -> None:
         """Weights of ``step`` to inference servers, then ``trained = step`` (rank 0; every rank gathers)."""

@@ -20,7 +20,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "filter": ("workers.stages.filter:main", "compute advantages and apply the pre-batch filters"),
     "packer": ("workers.stages.packer:main", "pack filtered groups into the micro-batches of each step"),
     "trainer": ("trainer.worker:main", "train on each step's micro-batches, publish weights and versions"),
-    "run": ("workers.run.session:main", "start a whole run on this machine (private redis-server if no URL)"),
+    "run": ("workers.run.chain:main", "start a whole run (or its [[stage]]s in turn) on this machine"),
     "inspect": ("workers.tools.inspect_run:main", "show a run's streams, groups, lag and pending entries; decode entries"),
     "replay": ("workers.tools.replay:main", "copy recorded rollouts or batches of one run into another run"),
     "redis": ("workers.tools.redis_server:main", "run a private redis-server in the foreground and print its URL"),
@@ -31,6 +31,10 @@ ROLES: dict[str, tuple[str, str]] = {
 
 NO_CONFIG_ROLES = {"inspect", "redis", "init-model", "replay", "config"}
 """Roles that get ``config=None`` when no @file or override was given."""
+
+
+STAGED_ROLES = {"run", "config", "inspect"}
+"""Roles that take a config with ``[[stage]]``s (the others run one stage's config)."""
 
 
 def usage() -> str:
@@ -73,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     if dry_run:
         print(dump_json(config))
         return 0
+    if config is not None and config.stage and role not in STAGED_ROLES:
+        print(f"rlbus {role}: this config has [[stage]]s, which `rlbus run` runs one after another; give this role "
+              f"one stage's config (`rlbus run` writes it to {config.stage[0].config.run.output_dir}/"
+              "config.resolved.toml)", file=sys.stderr)
+        return CONFIG_EXIT_CODE
     configure_logging(config.log if config is not None else None)
     try:
         return int(load_role(role)(config, role_args) or 0)

@@ -54,14 +54,43 @@ class ModelConfig(Section):
 
 
 class TeacherConfig(Section):
-    path: str
-    """Local Hugging Face folder of the teacher (opd: logprobs; sft: samples)."""
+    path: str | None = None
+    """Local Hugging Face folder of the teacher (opd: logprobs; sft: samples), which ``rlbus run`` serves when
+    ``base_urls`` is empty; None: a teacher that runs elsewhere (``base_urls``)."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype of the teacher."""
 
     base_urls: list[str] = Field(default_factory=list)
-    """OpenAI-compatible servers hosting the teacher; empty: ``rlbus run`` starts one."""
+    """OpenAI-compatible servers hosting the teacher; empty: ``rlbus run`` starts one (from ``path``)."""
+
+    api: Literal["completions", "chat"] = "completions"
+    """How the teacher is asked: ``completions`` (token-id prompts on ``/v1/completions``: opd's prompt logprobs,
+    sft samples with their token ids; vLLM or ``rlbus inference``) or ``chat`` (``/v1/chat/completions`` of any
+    OpenAI-compatible endpoint, a hosted model included: sft only; no logprobs are asked, and each answer's text is
+    tokenized with the student's tokenizer and chat template, the loss on the assistant tokens)."""
+
+    model: str | None = None
+    """Model name sent with every request (a hosted endpoint needs its own); None: the first of ``/v1/models``."""
+
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Seconds one teacher request may take (the student's servers have ``inference.request_timeout_s``)."""
+
+    max_retries: int = Field(3, ge=0)
+    """Retries of a failed teacher request (connection errors, timeouts, 429, 5xx), with backoff."""
+
+    api_key_var: str | None = None
+    """Environment variable holding the teacher's API key (``Authorization: Bearer``); separate from
+    ``inference.api_key_var``."""
+
+    headers_from_env: dict[str, str] = Field(default_factory=dict)
+    """Extra headers of teacher requests: header name → environment variable holding its value."""
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> "TeacherConfig":
+        if self.path is None and not self.base_urls:
+            raise ValueError("[teacher] needs a path (rlbus run serves it) or base_urls (a teacher running elsewhere)")
+        return self
 
 
 class RolloutConfig(Section):
@@ -148,6 +177,17 @@ class WandbConfig(Section):
 BENCH_STEPS = 4
 """Steps of a ``bench = true`` run (prime-rl's: one warm-up step and three measured ones)."""
 
+def deep_merge(base: dict, update: dict) -> dict:
+    """``update`` merged into a copy of ``base``: tables recursively, everything else replaced."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 _ALIASES = {"student": "model", "teacher_model": "teacher"}
 """Section names of prime-rl's training-modes change, read as rlbus's own (with a deprecation warning)."""
 
@@ -202,6 +242,31 @@ class RlbusConfig(Section):
     """What ``rlbus run`` prints off a terminal."""
     wandb: WandbConfig | None = None
     """Weights & Biases logging by ``rlbus run``; None: off."""
+    stage: list["StageConfig"] = Field(default_factory=list)
+    """Stages ``rlbus run`` runs one after another (``[[stage]]``, e.g. SFT then RL); empty: one run. Each
+    ``[[stage]]`` table holds a ``name`` and any sections, merged over this file's (``[stage.trainer]`` …;
+    its ``[[stage.env]]`` replaces ``[[env]]``); ``--stage.1.run.max_steps 50`` overrides one stage."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stages(cls, data: Any) -> Any:
+        """Each raw ``[[stage]]`` table becomes its stage's whole config: the top level with the table merged over
+        it, in ``output_dir/NAME`` as run ``RUN-NAME`` unless the table says otherwise."""
+        if not isinstance(data, dict) or not data.get("stage"):
+            return data
+        base = {k: v for k, v in data.items() if k != "stage"}
+        run = {**RunConfig().model_dump(), **base.get("run", {})}
+        stages = []
+        for i, table in enumerate(data["stage"]):
+            if not isinstance(table, dict):
+                raise ValueError(f"stage.{i} must be a table ([[stage]] with a name), not {table!r}")
+            table = dict(table)
+            name = table.pop("name", None)
+            from_previous = table.pop("from_previous", i > 0 and "path" not in table.get("model", {}))
+            own = {"name": f"{run['name']}-{name}", "output_dir": str(Path(run["output_dir"]) / str(name))}
+            merged = deep_merge(deep_merge(base, {"run": own}), table)
+            stages.append({"name": name, "from_previous": from_previous, "config": merged})
+        return {**data, "stage": stages}
 
     @model_validator(mode="before")
     @classmethod
@@ -239,6 +304,12 @@ class RlbusConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> "RlbusConfig":
         check_unique_names(self.env, "env", "[[env]]")
+        names = [stage.name for stage in self.stage]
+        if len(set(names)) < len(names):
+            raise ValueError(f"[[stage]] names must differ, got {names}")
+        if self.stage and self.stage[0].from_previous:
+            raise ValueError(f"stage {names[0]!r} is the first; it has no previous stage to start from "
+                             "(remove its from_previous)")
         ratios = [e.ratio for e in self.env]
         if any(r is None for r in ratios) and any(r is not None for r in ratios):
             raise ValueError("set ratio on every [[env]] or on none (got a mix of set and unset ratios)")
@@ -248,6 +319,11 @@ class RlbusConfig(Section):
                 raise ValueError(f"env {env.resolved_name!r} has mode={env.mode!r}, which needs a [teacher] section"
                                  + (" (or sft_source = \"reference\" to train on the env's answers)"
                                     if env.mode == "sft" else ""))
+            if env.mode == "opd" and self.teacher is not None and self.teacher.api == "chat":
+                raise ValueError(f"env {env.resolved_name!r} has mode=\"opd\", which needs the teacher's logprob of "
+                                 "every completion token: a chat endpoint does not give them; serve the teacher on "
+                                 "/v1/completions with prompt_logprobs (vLLM or rlbus inference) and set teacher.api "
+                                 "= \"completions\"")
             if from_data and env.group_size != 1:
                 raise ValueError(f"env {env.resolved_name!r} trains on its reference answers (sft_source = "
                                  f"\"reference\"), one sample per task: set its group_size = 1, not {env.group_size}")
@@ -329,3 +405,21 @@ class RlbusConfig(Section):
             if env.resolved_name == name:
                 return env
         raise KeyError(f"no env named {name!r}; envs are {[e.resolved_name for e in self.env]}")
+
+
+class StageConfig(Section):
+    """One stage of a chained run (``[[stage]]``): a ``name``, optionally ``from_previous``, and any section of
+    this page merged over the top level's (``[stage.trainer]``, ``[[stage.env]]`` …)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    """The stage's name: its folder under ``run.output_dir`` and the suffix of its ``run.name``."""
+
+    from_previous: bool = False
+    """Start from the previous stage's last weights (a whole HF folder) instead of ``model.path``; default: true
+    for every stage but the first that sets no ``model.path``."""
+
+    config: RlbusConfig
+    """The stage's whole config (the top level with the stage's tables merged over it)."""
+
+
+RlbusConfig.model_rebuild()

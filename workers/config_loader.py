@@ -20,18 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from bus.errors import ConfigError
-from workers.config import RlbusConfig
-
-
-def deep_merge(base: dict, update: dict) -> dict:
-    """``update`` merged into a copy of ``base``: tables recursively, everything else replaced."""
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
+from workers.config import RlbusConfig, StageConfig, deep_merge
 
 
 def read_toml(path: Path) -> dict:
@@ -143,7 +132,7 @@ def _walk(loc: list[str]) -> tuple[Any, list[str]]:
 def _step(node: Any, part: str) -> tuple[Any, bool]:
     for model in _models(node):
         if part in model.model_fields:
-            return model.model_fields[part].annotation, False
+            return model.model_fields[part].annotation, model is StageConfig and part == "config"
     for model in _models(node):
         tag = model.model_fields.get("type")
         if tag is not None and part in typing.get_args(tag.annotation):

@@ -44,3 +44,23 @@ def test_chunked_logprobs_and_grads_match_full_logits_with_temperature():
     assert torch.allclose(out.entropy[1:], -(logp.exp() * logp).sum(-1), atol=1e-5)
     for got, want in zip(chunked_grads, [p.grad for p in lm.parameters()], strict=True):
         assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_entropy_grads_match_full_logits_and_cost_nothing_unused():
+    lm = tiny_lm()
+    policy = PolicyModel(lm, chunk_size=4)
+    ids = torch.randint(0, 300, (13,))
+    temps = torch.full((13,), 0.7)
+    a, b = torch.randn(13), torch.randn(13)
+    out = policy(ids, torch.arange(13), temps)
+    ((out.logprobs * a).sum() + (out.entropy * b).sum()).backward()
+    chunked_grads = [p.grad.clone() for p in lm.parameters()]
+    lm.zero_grad()
+    logp = torch.log_softmax(lm(input_ids=ids[None]).logits[0, :-1].float() / 0.7, -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    ((logp.gather(-1, ids[1:, None])[:, 0] * a[1:]).sum() + (entropy * b[1:]).sum()).backward()
+    for got, want in zip(chunked_grads, [p.grad for p in lm.parameters()], strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    lm.zero_grad()  # the entropy alone also backpropagates
+    policy(ids, torch.arange(13), temps).entropy.sum().backward()
+    assert all(p.grad is not None for p in lm.parameters())

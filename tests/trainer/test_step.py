@@ -105,3 +105,17 @@ def test_kl_penalty_shifts_each_rl_advantage_by_the_reference_log_ratio(forward_
     m3, g3 = step_gradients(shifted, forward_batch=forward_batch)
     assert m2["kl_ref"] != 0 and m2["loss/rl"] == pytest.approx(m3["loss/rl"], rel=1e-5)
     assert_same_gradients(g2, g3, atol=1e-5)
+
+
+@pytest.mark.parametrize("forward_batch", [1, 2])
+def test_an_entropy_bonus_alone_raises_the_entropy_and_leaves_other_modes_alone(forward_batch):
+    rl = [micro_batch(1, i, 2, [(3, 8), (2, 6)], mode="rl", seed=3) for i in range(2)]
+    flat = [mb.model_copy(update={"advantages": mb.advantages * 0}) for mb in rl]  # no policy-gradient signal
+    policy, opt, sched = setup_policy(lr=1e-2)
+    entropies = [run_step(policy, opt, sched, [mb.model_copy(update={"step": s}) for mb in flat], step=s,
+                          forward_batch=forward_batch, entropy_coef=1.0)["entropy"] for s in range(1, 6)]
+    assert entropies[-1] > entropies[0] + 1e-3, entropies
+    sft = [micro_batch(1, 0, 1, [(3, 8)], mode="sft", seed=4)]
+    _, g0 = step_gradients(sft, forward_batch=forward_batch)
+    _, g1 = step_gradients(sft, forward_batch=forward_batch, entropy_coef=1.0)
+    assert_same_gradients(g0, g1)

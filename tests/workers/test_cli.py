@@ -9,6 +9,7 @@ import sys
 import redis
 
 from bus.messages import Metric, Task
+from tests.paths import REPO
 from workers import cli
 
 
@@ -38,6 +39,11 @@ def test_dry_run_imports_no_role_module():
 def test_unknown_role():
     done = rlbus("trainr")
     assert done.returncode == 2 and "unknown role 'trainr'" in done.stderr
+
+
+def test_a_role_given_a_config_with_stages_names_the_stage_config_to_give_it():
+    done = rlbus("trainer", "@", str(REPO / "configs" / "quickstart.toml"))
+    assert done.returncode == 2 and "outputs/quickstart/sft/config.resolved.toml" in done.stderr, done.stderr
 
 
 def test_role_gets_config_and_undotted_options(monkeypatch):

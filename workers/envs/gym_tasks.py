@@ -5,19 +5,26 @@ scorers (no network: examples are generated from a seed).
     id = "reasoning_gym"
     args = { dataset = "spell_backward", size = 2000, seed = 1 }
 
-Any other key in ``args`` goes to the generator's config (``min_word_len = 3`` …). Each example's answer is its
-reference, so ``mode = "sft"`` with ``sft_source = "reference"`` can train on it first. Needs
+Any other key in ``args`` goes to the generator's config (``min_word_len = 3`` …). ``holdout = 0.1`` sets aside
+the examples whose answer falls in a fixed 10% of answers (by a hash of the answer text): ``split = "train"`` keeps
+the rest, ``split = "held_out"`` only those, so a held-out eval never shares an answer with training, whatever the
+seeds. Each example's answer is its reference, so ``mode = "sft"`` with ``sft_source = "reference"`` can train on it first. Needs
 ``pip install 'rlbus[reasoning-gym]'``.
 """
 
-from typing import Any
+import zlib
+from typing import Any, Literal
 
 from workers.envs.base import Environment, Example, Message, RewardFunc, Rubric, State, last_reply
 
 
 def load_environment(dataset: str, size: int = 1000, seed: int = 0, system_prompt: str | None = None,
-                     **config: Any) -> Environment:
-    """reasoning-gym's ``dataset`` generator with ``size`` examples from ``seed``."""
+                     holdout: float = 0.0, split: Literal["train", "held_out"] = "train", **config: Any) -> Environment:
+    """reasoning-gym's ``dataset`` generator with ``size`` examples from ``seed`` (those of ``split`` when
+    ``holdout`` > 0)."""
+    if not 0.0 <= holdout < 1.0 or split not in ("train", "held_out"):
+        raise ValueError(f"need 0 <= holdout < 1 and split 'train' or 'held_out', got holdout={holdout} "
+                         f"split={split!r}")
     try:
         import reasoning_gym
     except ImportError as e:
@@ -29,6 +36,10 @@ def load_environment(dataset: str, size: int = 1000, seed: int = 0, system_promp
     entries = [dict(entry) for entry in generated]
     if any(entry.get("answer") is None for entry in entries):
         raise ValueError(f"reasoning-gym's {dataset!r} gives examples without an answer; it cannot be a reference")
+    if holdout:
+        entries = [e for e in entries if held_out(str(e["answer"]), holdout) == (split == "held_out")]
+        if not entries:
+            raise ValueError(f"no {split} examples among {size} with holdout={holdout}; raise size")
 
     def prompt(example: Example) -> list[Message]:
         head = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -39,3 +50,8 @@ def load_environment(dataset: str, size: int = 1000, seed: int = 0, system_promp
 
     return Environment(f"reasoning_gym/{dataset}", entries, prompt, Rubric([RewardFunc(score, name="score")]),
                        reference=lambda example: str(example["answer"]))
+
+
+def held_out(answer: str, fraction: float) -> bool:
+    """Whether examples with this answer belong to the held-out ``fraction`` (the same answer always does)."""
+    return zlib.crc32(answer.encode()) % 10_000 < fraction * 10_000

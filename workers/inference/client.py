@@ -49,7 +49,7 @@ class InferenceClient:
 
     def __init__(self, base_urls: list[str], timeout_s: float = 300.0, max_retries: int = 3,
                  api_key_var: str | None = None, headers_from_env: dict[str, str] | None = None,
-                 backoff_s: float = 0.5):
+                 backoff_s: float = 0.5, model: str | None = None):
         if not base_urls:
             raise ConfigError("the inference client has no server: set inference.base_urls (or inference.servers)")
         self.base_urls = [u.rstrip("/") for u in base_urls]
@@ -59,6 +59,8 @@ class InferenceClient:
         self.headers = _headers(api_key_var, headers_from_env or {})
         self._next = itertools.cycle(range(len(self.base_urls)))
         self._session: aiohttp.ClientSession | None = None
+        self.model = model
+        """The model name sent with every request; None: each server's first ``/v1/models`` entry."""
         self._model_names: dict[int, str] = {}
 
     @classmethod
@@ -134,7 +136,9 @@ class InferenceClient:
             return await resp.json()
 
     async def _model_name(self, index: int) -> str:
-        """The served model id of server ``index`` (vLLM checks it), asked once."""
+        """The served model id of server ``index`` (vLLM checks it), asked once; ``model`` when set."""
+        if self.model is not None:
+            return self.model
         if index not in self._model_names:
             url = self.base_urls[index % len(self.base_urls)] + "/models"
             for attempt in range(self.max_retries + 1):

@@ -64,6 +64,9 @@ class Request:
     choices: list[Choice | None] = field(default_factory=list)
     prompt_logprobs: list | None = None
     version: int = 0
+    on_token: Callable[[int, int], None] | None = None
+    """Called from the engine thread with (choice index, token id) after each sampled token that did not end its
+    choice (streaming; the last comes with the choice's final text, which a stop string may have cut short)."""
 
 
 @dataclass
@@ -122,8 +125,10 @@ class Engine:
     def active(self) -> int:
         return len(self._seqs)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request; ``request.future`` resolves to a :class:`Generation`."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               on_token: Callable[[int, int], None] | None = None) -> Request:
+        """Queue a request; ``request.future`` resolves to a :class:`Generation`; ``on_token(choice, token)`` sees
+        each token as it is sampled (from the engine's thread: hand it over, do not block)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty; send at least one token")
         if len(prompt_ids) >= self.max_model_len:
@@ -138,7 +143,8 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        request = Request(list(prompt_ids), params, concurrent.futures.Future(), choices=[None] * params.n)
+        request = Request(list(prompt_ids), params, concurrent.futures.Future(), choices=[None] * params.n,
+                          on_token=on_token)
         with self._cond:
             if self.error is not None or self._stop:
                 raise RuntimeError(f"inference engine is not running: {self.error!r}")
@@ -288,6 +294,8 @@ class Engine:
             if choice is not None:
                 done.append(offset + i)
                 self._complete(seq, choice)
+            elif seq.request.on_token is not None:
+                seq.request.on_token(seq.index, token_list[i])
         if done:
             self._remove(set(done))
 

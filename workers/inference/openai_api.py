@@ -28,7 +28,9 @@ class ApiError(Exception):
 def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     """The sampling parameters of a request body (vLLM defaults where a field is absent)."""
     if body.get("stream"):
-        raise ApiError("stream=true is not supported by the built-in server; send stream=false")
+        given = [k for k in ("logprobs", "prompt_logprobs", "return_token_ids") if body.get(k)]
+        if given:
+            raise ApiError(f"stream=true streams text only; drop {', '.join(given)} or send stream=false")
     stop = body.get("stop") or ()
     logprobs = body.get("logprobs")
     if chat:

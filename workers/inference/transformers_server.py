@@ -1,6 +1,7 @@
 """The built-in inference server (``inference.backend = "transformers"``): aiohttp over the dynamic-batching engine.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also with ``"stream": true``: server-sent
+events as the tokens are sampled), ``GET /v1/models``, ``GET /health``.
 Every JSON response carries ``policy_version``. With ``redis.url`` set the server follows ``weights``
 and publishes ``served``; without it, it serves the model at ``model.path`` as version 0.
 """
@@ -31,6 +32,7 @@ from workers.inference.openai_api import (
     error_body,
     sampling_params,
 )
+from workers.inference.streaming import DONE, ChunkWriter, TextDelta
 from workers.inference.weights_follower import WeightsFollower
 from workers.lifecycle import connect_bus, run_until_first, run_worker
 
@@ -126,19 +128,24 @@ class InferenceServer:
 
     # Routes.
 
-    async def completions(self, request: web.Request) -> web.Response:
-        async def handle(body: dict) -> dict:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        async def handle(body: dict) -> dict | web.StreamResponse:
             params = sampling_params(body, chat=False)
             prompts = completion_prompts(body, self.engine.tokenizer)
+            if body.get("stream"):
+                return await self._stream(request, body, prompts, params, chat=False)
             gens = await asyncio.gather(*(self._generate(p, params) for p in prompts))
             return self.renderer.completion(list(gens), body)
 
         return await self._respond(request, handle)
 
-    async def chat_completions(self, request: web.Request) -> web.Response:
-        async def handle(body: dict) -> dict:
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        async def handle(body: dict) -> dict | web.StreamResponse:
             params = sampling_params(body, chat=True)
-            gen = await self._generate(chat_prompt(body, self.engine.tokenizer), params)
+            prompt = chat_prompt(body, self.engine.tokenizer)
+            if body.get("stream"):
+                return await self._stream(request, body, [prompt], params, chat=True)
+            gen = await self._generate(prompt, params)
             return self.renderer.chat(gen, body)
 
         return await self._respond(request, handle)
@@ -154,6 +161,52 @@ class InferenceServer:
                                   "active": self.engine.active, "steps": self.engine.steps,
                                   "prefills": self.engine.prefills,
                                   "generated_tokens": self.engine.generated_tokens}, status=200 if ok else 503)
+
+    async def _stream(self, request: web.Request, body: dict, prompts: list[list[int]], params,
+                      chat: bool) -> web.StreamResponse:
+        """Server-sent events of every choice's text as the engine samples it (see :mod:`streaming`)."""
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+        handles = []
+        try:
+            for p, prompt_ids in enumerate(prompts):
+                handles.append(self.engine.submit(prompt_ids, params, on_token=lambda j, t, p=p: (
+                    loop.call_soon_threadsafe(tokens.put_nowait, (p * params.n + j, t)))))
+        except ValueError as e:
+            for handle in handles:
+                handle.cancelled = True
+            raise ApiError(str(e)) from e
+        writer = ChunkWriter(self.config.model.path, chat, self.engine.policy_version)
+        deltas = [TextDelta(self.engine.tokenizer, params.stop) for _ in range(len(prompts) * params.n)]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        done = asyncio.gather(*(asyncio.wrap_future(h.future) for h in handles))
+        try:
+            for index in range(len(deltas)):
+                await response.write(writer.start(index))
+            while not (done.done() and tokens.empty()):
+                next_token = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({next_token, done}, return_when=asyncio.FIRST_COMPLETED)
+                if not next_token.done():
+                    next_token.cancel()
+                    continue
+                index, token = next_token.result()
+                if text := deltas[index].add(token):
+                    await response.write(writer.text(index, text))
+            gens = done.result()
+            choices = [c for gen in gens for c in gen.choices]
+            for index, choice in enumerate(choices):
+                await response.write(writer.text(index, deltas[index].finish(choice), finish=choice))
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await response.write(writer.usage(sum(len(g.prompt_token_ids) for g in gens),
+                                                  sum(len(c.token_ids) for c in choices)))
+            await response.write(DONE)
+        except (ConnectionResetError, asyncio.CancelledError):
+            for handle in handles:
+                handle.cancelled = True  # the client went away: free its batch rows
+            done.cancel()
+            raise
+        return response
 
     async def _generate(self, prompt_ids: list[int], params):
         try:
@@ -171,7 +224,8 @@ class InferenceServer:
             body = await request.json()
             if not isinstance(body, dict):
                 raise ApiError("the request body must be a JSON object")
-            return web.json_response(await handle(body))
+            out = await handle(body)
+            return out if isinstance(out, web.StreamResponse) else web.json_response(out)
         except json.JSONDecodeError as e:
             return web.json_response(error_body(f"invalid JSON body: {e}", 400, self.engine.policy_version), status=400)
         except ApiError as e:

@@ -3,10 +3,13 @@
 One JSON object per metrics entry: ``{"id", "source", "step", "at", **values}``. The file is
 rewritten from the start of the stream when a writer starts, so a resumed run's file holds the
 whole history once. W&B is imported only when configured; ``mode = "offline"`` writes under
-``output_dir/wandb`` for a later ``wandb sync``.
+``output_dir/wandb`` for a later ``wandb sync``. A resumed run continues the same W&B run (its id, in
+``wandb/run-id``) and logs only the entries after the last one it logged before (``wandb/logged-through`` keeps that id), so
+no row reaches W&B twice; ``report.png`` is logged at the end.
 """
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,35 +27,60 @@ class MetricsWriter:
         self.rows: list[dict[str, Any]] = []
         """Every row written, in stream order."""
         self._wandb = _start_wandb(wandb_cfg, run_name, Path(output_dir), config) if wandb_cfg else None
+        self._logged_path = Path(output_dir) / "wandb" / "logged-through"
+        self._logged_through = _entry_key(self._logged_path.read_text()) if self._logged_path.exists() else (-1, -1)
 
     def write(self, entry_id: str, metric: Metric) -> dict[str, Any]:
         row = {"id": entry_id, "source": metric.source, "step": metric.step, "at": metric.at, **metric.values}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         self.rows.append(row)
-        if self._wandb is not None:
+        if self._wandb is not None and _entry_key(entry_id) > self._logged_through:
             logged = {f"{metric.source}/{k}" if "/" not in k else k: v for k, v in metric.values.items()}
             if metric.step is not None:
                 logged["step"] = metric.step
             self._wandb.log(logged)
+            self._logged_path.write_text(entry_id)
         return row
 
-    def close(self) -> None:
+    def close(self, report: Path | None = None) -> None:
+        """Close the file; with W&B, log ``report`` (a picture, when there is one) and finish the run."""
         self._file.close()
         if self._wandb is not None:
+            if report is not None and Path(report).exists():
+                import wandb
+
+                self._wandb.log({"report": wandb.Image(str(report))})
             self._wandb.finish()
             self._wandb = None
 
 
 def _start_wandb(cfg: WandbConfig, run_name: str, output_dir: Path, config: dict | None):
+    """The W&B run: a new id for a fresh run (``RUN-xxxxxxxx``, kept in ``wandb/run-id``), the kept one on resume."""
     try:
         import wandb
     except ImportError as e:
         raise ImportError("[wandb] is configured but wandb is not installed; pip install 'rlbus[wandb]'") from e
+    id_path = output_dir / "wandb" / "run-id"
+    id_path.parent.mkdir(parents=True, exist_ok=True)
+    if not id_path.exists():
+        id_path.write_text(f"{run_name}-{uuid.uuid4().hex[:8]}")
     run = wandb.init(
         project=cfg.project, name=cfg.name or run_name, mode=cfg.mode, dir=str(output_dir), config=config or {},
-        resume="allow", id=run_name,
+        resume="allow", id=id_path.read_text().strip(),
     )
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
     return run
+
+
+def _entry_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``ms-seq``) as numbers, in stream order."""
+    ms, _, seq = entry_id.strip().partition("-")
+    return int(ms), int(seq or 0)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a finished run's ``metrics.jsonl`` (none if it has no file)."""
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -107,6 +107,12 @@ def write_summary(summary: dict[str, Any], output_dir: Path) -> Path:
     return path
 
 
+def moving_mean(values: list[float], window: int = 10) -> list[float]:
+    """Each value replaced by the mean of it and the ``window - 1`` before it."""
+    return [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
+            for i in range(len(values))]
+
+
 def write_report(rows: list[Row], output_dir: Path, title: str = "") -> Path:
     """``report.png``: training reward and eval curves, tokens/s, stale fraction, each against step."""
     import matplotlib
@@ -118,9 +124,8 @@ def write_report(rows: list[Row], output_dir: Path, title: str = "") -> Path:
     ax = axes[0]
     rewards = train_reward(rows)
     ax.plot(list(rewards), list(rewards.values()), label="train reward", color="tab:blue", alpha=0.35)
-    steps, values = list(rewards), list(rewards.values())
-    smooth = [sum(values[max(0, i - 9): i + 1]) / len(values[max(0, i - 9): i + 1]) for i in range(len(values))]
-    ax.plot(steps, smooth, label="train reward (mean of 10 steps)", color="tab:blue")
+    ax.plot(list(rewards), moving_mean(list(rewards.values())), label="train reward (mean of 10 steps)",
+            color="tab:blue")
     evals = eval_results(rows)
     for key in sorted({k for v in evals.values() for k in v if k.endswith("/reward") or "/pass@1" in k}):
         points = {s: v[key] for s, v in evals.items() if key in v}
@@ -170,4 +175,52 @@ def summary_text(summary: dict[str, Any], output_dir: Path) -> str:
                      f"{b['train_tokens_per_s']:.0f} tok/s, rollouts {b.get('rollout_tokens_per_s', 0):.0f} tok/s, "
                      f"trainer idle {b['trainer_idle_s']:.3f} s")
     lines.append(f"  files: {output_dir / 'summary.json'}, {output_dir / 'metrics.jsonl'}, {output_dir / 'report.png'}")
+    return "\n".join(lines)
+
+
+def write_stages_report(stages: list[tuple[str, list[Row], bool]], output_dir: Path, title: str = "") -> Path:
+    """``report.png`` of a chained run: each stage's eval rewards and (where the third item says so: not for sft on
+    reference answers, which all score the same) its training reward, on one step axis (a stage's step 0 is where
+    the previous one ended), stage boundaries dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4), constrained_layout=True)
+    offset = 0
+    for i, (name, rows, show_train) in enumerate(stages):
+        rewards = train_reward(rows)
+        if show_train:
+            ax.plot([offset + s for s in rewards], moving_mean(list(rewards.values())), color=f"C{i}", label=f"{name}: train reward (mean of 10 steps)")
+        evals = eval_results(rows)
+        for key in sorted({k for v in evals.values() for k in v if k.endswith("/reward")}):
+            points = {s: v[key] for s, v in evals.items() if key in v}
+            ax.plot([offset + s for s in points], list(points.values()), "o-", color=f"C{i}", alpha=0.6,
+                    label=f"{name}: {key}")
+        if i:
+            ax.axvline(offset, color="grey", linestyle="--")
+        ax.annotate(name, (offset, 1.0), xycoords=("data", "axes fraction"), xytext=(4, -12),
+                    textcoords="offset points")
+        offset += max(rewards, default=0)
+    ax.set(title=title or "reward", xlabel="step (all stages)", ylabel="reward")
+    ax.legend(fontsize=8)
+    path = Path(output_dir) / "report.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def stages_text(summaries: list[dict[str, Any]], output_dir: Path) -> str:
+    """The lines ``rlbus run`` prints after the last stage: per stage its steps, time and first → last eval."""
+    lines = [f"{len(summaries)} stage(s):"]
+    for s in summaries:
+        evals = s["eval"]
+        first, last = (evals[min(evals, key=int)], evals[max(evals, key=int)]) if evals else ({}, {})
+        shown = "  ".join(f"{k.removeprefix('eval/')} {first[k]:.3f} → {last[k]:.3f}"
+                          for k in first if k.endswith("/reward") and k in last)
+        lines.append(f"  {s['stage']}: {s['steps_trained']} steps in {s['wall_s']:.0f}s ({s['stopped_because']})"
+                     + (f"  {shown}" if shown else ""))
+    lines.append(f"  files: {output_dir / 'summary.json'}, {output_dir / 'report.png'}")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""``rlbus run @ config.toml [--resume] [--attach]``: a whole run on this machine, supervised.
+"""One ``rlbus run`` on this machine, supervised (:mod:`workers.run.chain` runs one per ``[[stage]]``).
 
 Starts, in order: a private redis-server (unless ``redis.url`` is set; its AOF lives in
 ``output_dir/redis`` so ``--resume`` gets the streams back), the model folder (``init-model``)
@@ -14,7 +14,6 @@ SIGTERM, or when a worker sets the run's ``stop_reason``; then it stops every ch
 workers run elsewhere (docker compose); it needs ``redis.url``.
 """
 
-import argparse
 import asyncio
 import os
 import shutil
@@ -278,8 +277,10 @@ class RunSession:
             await asyncio.to_thread(self.sup.stop_all, self.grace_s, 1)  # workers; redis (stop_order 2) stays up
         while await self._read_metrics(bus, writer, probe, block_ms=None):  # what came in before the workers stopped
             pass
-        writer.close()
-        return await self.finish(bus, probe, writer.rows)
+        try:
+            return await self.finish(bus, probe, writer.rows)
+        finally:
+            writer.close(report=self.output_dir / "report.png")
 
     async def _loop(self, bus: Bus, probe, evaluator) -> None:
         max_steps = self.config.run.max_steps
@@ -445,16 +446,3 @@ def _port_free(host: str, port: int) -> bool:
             return True
         except OSError:
             return False
-
-
-def main(config: RlbusConfig, argv: list[str]) -> int:
-    """``rlbus run @ cfg.toml [--resume] [--attach]``."""
-    parser = argparse.ArgumentParser(prog="rlbus run", description="Start and supervise a whole run on this machine.")
-    parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint and streams")
-    parser.add_argument("--attach", action="store_true", help="only watch/eval/summarise a run whose workers run elsewhere")
-    parser.add_argument("--grace-s", type=float, default=15.0, help="seconds children get to drain after SIGTERM")
-    parser.add_argument("--health-timeout-s", type=float, default=180.0, help="wait this long for each inference server")
-    args = parser.parse_args(argv)
-    session = RunSession(config, resume=args.resume, attach=args.attach, grace_s=args.grace_s,
-                         health_timeout_s=args.health_timeout_s)
-    return asyncio.run(session.run())

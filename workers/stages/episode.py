@@ -282,32 +282,65 @@ class GroupRunner:
         ep.teacher_logprobs = [0.0 if x is None else float(x) for x in lps]
 
 
-class ReferenceRunner:
-    """sft from data: the example's prompt and its reference answer as one sample, the loss on the answer's tokens
-    (chat template applied); no server is asked. Scored by the env like any episode (its metrics say how the
-    reference fares on the env's own rubric)."""
+class AnswerRunner:
+    """sft on answers given as text: each of the task's answers (the example's reference, or a chat teacher's
+    replies) with the example's prompt becomes a sample, the loss on the answer's tokens (the student's chat
+    template); no policy server is asked. Scored by the env like any episode (its metrics say how the answers fare
+    on the env's own rubric).
 
-    def __init__(self, chat: ChatTokens, max_model_len: int, fallback_version: Callable[[], int]):
+    ``answers(task, env, messages, sampling)`` returns the answer texts of a task, at most ``task.group_size``."""
+
+    def __init__(self, chat: ChatTokens, max_model_len: int, fallback_version: Callable[[], int],
+                 answers: Callable[[Task, Any, list[dict], Sampling], Any], source: str):
         self.chat = chat
         self.max_model_len = max_model_len
         self.fallback_version = fallback_version
+        self.answers = answers
+        self.source = source
+        """What the answers are, for errors and the timing name (``reference``, ``teacher``)."""
 
     async def run(self, task: Task, env: Any, sampling: Sampling, max_turns: int,
                   max_total_tokens: int | None = None) -> tuple[list[Sample], dict]:
         timer = Timer()
         initial = await timer.time("env_s", env.initial(index=task.example_index))
-        text = await timer.time("env_s", env.reference(index=task.example_index))
         messages = list(initial["messages"])
-        ep = Episode(self.chat.prompt(messages), messages + [{"role": "assistant", "content": text}],
-                     dict(initial.get("state") or {}))
-        ids = self.chat.answer(messages, text)
-        if len(ep.prompt_ids) + len(ids) > self.max_model_len:
-            raise RolloutError(f"prompt + reference answer are {len(ep.prompt_ids) + len(ids)} tokens, over "
-                               f"inference.max_model_len={self.max_model_len}; raise it or shorten the examples")
-        version = self.fallback_version()
-        ep.add_model_turn(ids, [0.0] * len(ids), (version, version))
-        stepped = await timer.time("env_s", env.step(index=task.example_index, messages=ep.messages, state=ep.state))
-        ep.state = dict(stepped.get("state") or {})
-        await score_episode(ep, task, env, timer)
-        return [ep.to_sample(1.0)], timer.totals
+        texts = await timer.time(f"{self.source}_s", self.answers(task, env, messages, sampling))
+        samples = []
+        for text in texts:
+            ep = Episode(self.chat.prompt(messages), messages + [{"role": "assistant", "content": text}],
+                         dict(initial.get("state") or {}))
+            ids = self.chat.answer(messages, text)
+            if len(ep.prompt_ids) + len(ids) > self.max_model_len:
+                raise RolloutError(f"prompt + {self.source} answer are {len(ep.prompt_ids) + len(ids)} tokens, over "
+                                   f"inference.max_model_len={self.max_model_len}; raise it or shorten the examples")
+            version = self.fallback_version()
+            ep.add_model_turn(ids, [0.0] * len(ids), (version, version))
+            stepped = await timer.time("env_s", env.step(index=task.example_index, messages=ep.messages,
+                                                         state=ep.state))
+            ep.state = dict(stepped.get("state") or {})
+            await score_episode(ep, task, env, timer)
+            samples.append(ep.to_sample(1.0))
+        return samples, timer.totals
+
+
+async def reference_answers(task: Task, env: Any, messages: list[dict], sampling: Sampling) -> list[str]:
+    """The example's reference answer (sft from data)."""
+    return [await env.reference(index=task.example_index)]
+
+
+def chat_answers(client: Any) -> Callable[[Task, Any, list[dict], Sampling], Any]:
+    """A chat teacher's answers: ``task.group_size`` replies from ``/v1/chat/completions`` (no logprobs asked;
+    only the knobs OpenAI's API knows are sent, and only those set)."""
+
+    async def answers(task: Task, env: Any, messages: list[dict], sampling: Sampling) -> list[str]:
+        knobs = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                 "max_completion_tokens": sampling.max_completion_tokens, "stop": sampling.stop or None,
+                 **(sampling.extra_body or {})}
+        reply = await client.chat(messages, n=task.group_size, **{k: v for k, v in knobs.items() if v is not None})
+        texts = [(choice.get("message") or {}).get("content") or "" for choice in reply.get("choices") or []]
+        if len(texts) != task.group_size:
+            raise RolloutError(f"the chat teacher gave {len(texts)} answers for n={task.group_size}")
+        return texts
+
+    return answers
 

@@ -35,7 +35,7 @@ from workers.env_config import EnvConfig, EvalEnvConfig, SamplingConfig
 from workers.envs.server import EnvHandle
 from workers.inference.client import InferenceClient
 from workers.lifecycle import connect_bus, consumer_name, run_worker
-from workers.stages.episode import ChatTokens, GroupRunner, ReferenceRunner
+from workers.stages.episode import AnswerRunner, ChatTokens, GroupRunner, chat_answers, reference_answers
 from workers.stages.gate import StalenessGate
 
 
@@ -54,7 +54,7 @@ class RolloutWorker:
         self.handles: dict = {}
         self.clients: list = []
         self.runner: GroupRunner | None = None
-        self.sft_runner: GroupRunner | None = None
+        self.sft_runner: GroupRunner | AnswerRunner | None = None
         self.gate: StalenessGate | None = None
         self.streams: list[str] = []
         self._running: dict[tuple[str, str], Entry] = {}
@@ -81,26 +81,33 @@ class RolloutWorker:
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.path)
         chat = ChatTokens(tokenizer)
-        client = self._client(InferenceClient, cfg.inference_urls(), "inference.base_urls")
+        inf = cfg.inference
+        client = self._client(cfg.inference_urls(), "inference.base_urls", timeout_s=inf.request_timeout_s,
+                              max_retries=inf.max_retries, api_key_var=inf.api_key_var,
+                              headers_from_env=inf.headers_from_env)
         teacher = None
         if any(e.mode == "opd" or (e.mode == "sft" and e.sft_source == "teacher") for e in self.envs.values()):
-            teacher = self._client(InferenceClient, cfg.teacher.base_urls, "teacher.base_urls")
+            t = cfg.teacher
+            teacher = self._client(t.base_urls, "teacher.base_urls", timeout_s=t.request_timeout_s,
+                                   max_retries=t.max_retries, api_key_var=t.api_key_var,
+                                   headers_from_env=t.headers_from_env, model=t.model)
         tracker = PolicyTracker(self.bus)
         self.gate = StalenessGate(tracker, cfg.packer.max_off_policy_steps, cfg.packer.prefetch,
                                   cfg.redis.block_ms)
         served = lambda: tracker.served  # noqa: E731
         self.runner = GroupRunner(chat, client, teacher, cfg.inference.max_model_len, fallback_version=served)
-        if teacher is not None:
-            self.sft_runner = GroupRunner(chat, teacher, teacher, cfg.inference.max_model_len, fallback_version=served)
-        self.reference_runner = ReferenceRunner(chat, cfg.inference.max_model_len, fallback_version=served)
+        if teacher is not None and cfg.teacher.api == "chat":
+            self.sft_runner = AnswerRunner(chat, inf.max_model_len, served, chat_answers(teacher), "teacher")
+        elif teacher is not None:
+            self.sft_runner = GroupRunner(chat, teacher, teacher, inf.max_model_len, fallback_version=served)
+        self.reference_runner = AnswerRunner(chat, inf.max_model_len, served, reference_answers, "reference")
         self.log.info("rollout_ready", envs=list(self.envs), max_concurrent_groups=cfg.rollout.max_concurrent_groups)
 
-    def _client(self, cls, base_urls: list[str], name: str):
+    def _client(self, base_urls: list[str], name: str, **settings) -> InferenceClient:
+        """A client of one pool (the student's servers or the teacher's), with that pool's own settings."""
         if not base_urls:
             raise ConfigError(f"{name} is empty; list the servers (http://HOST:PORT/v1) or let `rlbus run` start them")
-        inf = self.config.inference
-        client = cls(base_urls, timeout_s=inf.request_timeout_s, max_retries=inf.max_retries,
-                     api_key_var=inf.api_key_var, headers_from_env=inf.headers_from_env)
+        client = InferenceClient(base_urls, **settings)
         self.clients.append(client)
         return client
 

@@ -44,6 +44,8 @@ def sections(model: type[BaseModel] = RlbusConfig, path: str = "") -> list[tuple
         many = typing.get_origin(field.annotation) is list or any(
             typing.get_origin(a) is list for a in typing.get_args(field.annotation))
         for sub in nested:
+            if sub is RlbusConfig:
+                continue  # a stage's config: the whole page again
             header = (f"{path}.{name}" if path else name) + ("[]" if many else "")
             if len(nested) > 1:
                 header += f" (type = {sub.model_fields['type'].default!r})"
@@ -92,8 +94,8 @@ def _section(header: str, model: type[BaseModel]) -> list[str]:
         lines += [_cell(model.__doc__), ""]
     lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
-        if models_in(field.annotation) and model is RlbusConfig:
-            continue  # sections get their own table
+        if models_in(field.annotation) and model is RlbusConfig or models_in(field.annotation) == [RlbusConfig]:
+            continue  # sections get their own table; a stage's config is this whole page
         aliases = [a for a in getattr(field.validation_alias, "choices", []) if a != name]
         key = f"`{name}`" + (f" (also `{'`, `'.join(aliases)}`)" if aliases else "")
         lines.append(f"| {key} | `{_cell(_type(field.annotation))}` | `{_default(field)}` | "

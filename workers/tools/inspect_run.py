@@ -14,6 +14,7 @@ import numpy as np
 import redis
 from pydantic import BaseModel
 
+from bus.clients import sync_client
 from bus.config import redact
 from bus.errors import ConfigError, DecodeError
 from bus.keys import Keys
@@ -197,7 +198,7 @@ def parse_args(argv: list[str], config: RlbusConfig | None) -> argparse.Namespac
 def main(config: RlbusConfig | None, argv: list[str]) -> int:
     args = parse_args(argv, config)
     keys = Keys(args.run)
-    client = redis.Redis.from_url(args.redis_url)
+    client = sync_client(args.redis_url)
     try:
         client.ping()
     except redis.ConnectionError as e:

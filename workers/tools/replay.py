@@ -15,6 +15,7 @@ from pathlib import Path
 import redis
 
 from bus.archive import archived_steps, read_step
+from bus.clients import sync_client
 from bus.config import redact
 from bus.errors import ConfigError
 from bus.keys import Keys
@@ -94,7 +95,7 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     if not url:
         print("rlbus replay: no Redis given; pass --redis-url redis://HOST:PORT/0", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(url)
+    client = sync_client(url)
     dst = Keys(args.to_run)
     if args.from_archive is not None:
         if args.stream != "batches":

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from bus.errors import ConfigError
+from tests.paths import REPO
 from workers.envs.registry import load_env
 
 
@@ -67,6 +68,29 @@ def test_reasoning_gym_tasks_are_generated_offline_and_scored_by_their_own_score
         assert episode(env, index, "zzz") == 0.0
     with pytest.raises(ConfigError, match="reasoning-gym cannot build 'no_such_task'"):
         load_env("reasoning_gym", {"dataset": "no_such_task"})
+
+
+def test_a_held_out_split_never_shares_an_answer_with_training_whatever_the_seeds():
+    args = {"dataset": "spell_backward", "size": 400, "max_word_len": 4, "holdout": 0.2}
+    train = load_env("reasoning_gym", {**args, "seed": 0})
+    test = load_env("reasoning_gym", {**args, "seed": 1, "split": "held_out"})
+    answers = lambda env: {env.reference(i) for i in range(len(env))}  # noqa: E731
+    assert 250 < len(train) < 380 and 40 < len(test) < 130  # ~80% / ~20% of 400
+    assert not answers(train) & answers(test)
+    with pytest.raises(ConfigError, match="holdout=1.5"):
+        load_env("reasoning_gym", {**args, "holdout": 1.5})
+
+
+def test_the_quick_starts_task_gives_trivial_policies_at_most_a_quarter():
+    from workers.config_loader import load_config
+
+    env_cfg = load_config([REPO / "configs" / "quickstart.toml"]).stage[1].config.env[0]
+    env = load_env(env_cfg.id, env_cfg.args)
+    answered = lambda text: sum(episode(env, i, text(env.example(i))) for i in range(500)) / 500  # noqa: E731
+    assert answered(lambda example: example["metadata"]["word"]) <= 0.25  # copying the word
+    for constant in ("", "e", "s", "es", "seta", "eeeeee"):
+        assert answered(lambda example, c=constant: c) <= 0.25
+    assert answered(lambda example: example["answer"]) == 1.0
 
 
 def test_csv_answers_stay_text_long_answers_score_fairly_and_empty_answers_are_refused(tmp_path):

@@ -142,6 +142,47 @@ def test_stop_strings_end_the_completion(server):
     assert stop not in choice["text"] and text.startswith(choice["text"])
 
 
+def test_the_openai_client_streams_completions_as_they_are_sampled(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url, api_key="unused")
+    ask = dict(model="m", prompt=["abc", "xyz"], max_tokens=24, temperature=1.0, seed=5, n=2,
+               extra_body={"ignore_eos": True})  # vLLM's field, passed as the openai client passes it
+    plain = client.completions.create(**ask)
+    chunks = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    for choice in plain.choices:  # the same seeded samples, in pieces
+        pieces = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(p.text for p in pieces) == choice.text
+        assert len([p for p in pieces if p.text]) > 1
+        assert [p.finish_reason for p in pieces][-1] == choice.finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == 4 * 24
+    text = plain.choices[0].text
+    at = next((i for i in range(3, len(text) - 1) if text[i:i + 2].isprintable() and "\ufffd" not in text[i:i + 2]
+               and text.find(text[i:i + 2]) == i), None)
+    if at is None:
+        pytest.skip("sampled text has no printable pair to stop on")
+    with_stop = client.completions.create(**{**ask, "stop": [text[at:at + 2]]}, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in with_stop:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts[0] == text[:at]  # nothing of the two-character stop string was sent
+
+
+def test_the_openai_client_streams_chat(server):
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=server.base_url, api_key="unused")
+    ask = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0)
+    plain = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    with pytest.raises(BadRequestError, match="stream=true streams text only; drop logprobs"):
+        client.chat.completions.create(**ask, stream=True, logprobs=True)
+
+
 def test_concurrent_requests_are_batched(server):
     """Ten concurrent requests finish at least 3x faster than the same ten one after another."""
     body = {"max_tokens": 96, "ignore_eos": True, "temperature": 1.0}

@@ -8,7 +8,7 @@ import pytest
 
 from bus.messages import Task
 from workers.env_config import SamplingConfig
-from workers.stages.episode import ChatTokens, GroupRunner, ReferenceRunner, RolloutError
+from workers.stages.episode import AnswerRunner, ChatTokens, GroupRunner, RolloutError, reference_answers
 from workers.tools.init_model import build_tokenizer
 
 
@@ -156,7 +156,7 @@ class ReferenceEnv(TwoTurnEnv):
 
 
 def test_sft_from_data_trains_on_the_reference_answer_with_the_chat_template(chat):
-    runner = ReferenceRunner(chat, max_model_len=512, fallback_version=lambda: 4)
+    runner = AnswerRunner(chat, 512, lambda: 4, reference_answers, "reference")
     task = Task(task_id="e:0:0", env="e", example_index=7, example_id="7", group_size=1, mode="sft")
     (s,), timings = asyncio.run(runner.run(task, ReferenceEnv(), SamplingConfig(), max_turns=1))
     tok = chat.tokenizer
@@ -164,6 +164,6 @@ def test_sft_from_data_trains_on_the_reference_answer_with_the_chat_template(cha
     assert tok.decode(s.completion_ids) == "answer 7<|im_end|>"  # what the model would say, end of turn included
     assert s.loss_mask.all() and s.reward == 1.0 and (s.policy_version_start, s.turns) == (4, 1)
     assert set(timings) >= {"env_s", "score_s"}
-    short = ReferenceRunner(chat, max_model_len=20, fallback_version=lambda: 0)
-    with pytest.raises(RolloutError, match="over inference.max_model_len=20"):
+    short = AnswerRunner(chat, 20, lambda: 0, reference_answers, "reference")
+    with pytest.raises(RolloutError, match="reference answer are .* over inference.max_model_len=20"):
         asyncio.run(short.run(task, ReferenceEnv(), SamplingConfig(), max_turns=1))

@@ -1,0 +1,94 @@
+"""Redis clients from a URL: redis-py's own (``redis://``, ``rediss://``, ``unix://``) or a primary found through
+Sentinel::
+
+    redis+sentinel://HOST:PORT[,HOST:PORT...]/PRIMARY[/DB]
+
+The hosts are the sentinels, ``PRIMARY`` the name they monitor (``sentinel monitor PRIMARY …``), ``DB`` the
+database (default 0). The primary's password comes from ``redis.password_var`` (the sentinels are asked without
+one). A client of a primary found through Sentinel asks the sentinels again whenever a connection to it fails or
+finds a replica, so after a failover the next retry (``redis.reconnect_timeout_s``) reaches the promoted one.
+Every worker, tool and lease keeper connects through here, so any of them takes either form.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
+from redis.sentinel import Sentinel, SentinelManagedConnection
+
+from bus.errors import ConfigError
+
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+@dataclass(frozen=True)
+class SentinelAddress:
+    """Where a ``redis+sentinel://`` URL says the primary is found."""
+
+    sentinels: list[tuple[str, int]]
+    primary: str
+    db: int
+
+
+def parse_sentinel_url(url: str) -> SentinelAddress:
+    """The sentinels, primary name and db of a ``redis+sentinel://`` URL; ConfigError naming the fix otherwise."""
+    form = f"{SENTINEL_SCHEME}://HOST:PORT[,HOST:PORT...]/PRIMARY[/DB]"
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        raise ConfigError(f"redis.url={url!r}: a Sentinel URL carries no password; set redis.password_var instead")
+    sentinels = []
+    for address in filter(None, parts.netloc.split(",")):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"redis.url={url!r}: sentinel {address!r} is not HOST:PORT; write {form}")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not sentinels or not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ConfigError(f"redis.url={url!r} is not a Sentinel URL; write {form}")
+    return SentinelAddress(sentinels, path[0], int(path[1]) if len(path) == 2 else 0)
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.startswith(f"{SENTINEL_SCHEME}://")
+
+
+class _AsyncPrimaryConnection(AsyncSentinelConnection):
+    """Asks the sentinels for the primary on every socket connect. redis-py's own reconnects a dropped connection
+    (``send_packed_command`` → ``connect_check_health``) to the address it had, so after a failover a client kept
+    talking to the old primary's port, and once that server was back, empty, wrote the run into it."""
+
+    async def _connect(self):
+        self.host, self.port = await self.connection_pool.get_master_address()
+        await super()._connect()
+
+
+class _PrimaryConnection(SentinelManagedConnection):
+    """:class:`_AsyncPrimaryConnection` for blocking clients."""
+
+    def _connect(self):
+        self.host, self.port = self.connection_pool.get_master_address()
+        return super()._connect()
+
+
+def async_client(url: str, **options: Any) -> aioredis.Redis:
+    """An asyncio client of ``url`` (``options`` as for ``redis.asyncio.Redis``)."""
+    if not is_sentinel_url(url):
+        return aioredis.Redis.from_url(url, **options)
+    address = parse_sentinel_url(url)
+    sentinel = AsyncSentinel(address.sentinels, socket_timeout=options.get("socket_timeout") or 2.0)
+    return sentinel.master_for(address.primary, redis_class=aioredis.Redis, db=address.db,
+                               connection_class=_AsyncPrimaryConnection, **options)
+
+
+def sync_client(url: str, **options: Any) -> redis.Redis:
+    """A blocking client of ``url`` (``options`` as for ``redis.Redis``)."""
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url, **options)
+    address = parse_sentinel_url(url)
+    sentinel = Sentinel(address.sentinels, socket_timeout=options.get("socket_timeout") or 2.0)
+    return sentinel.master_for(address.primary, redis_class=redis.Redis, db=address.db,
+                               connection_class=_PrimaryConnection, **options)
