@@ -38,6 +38,9 @@ def parse_sentinel_url(url: str) -> SentinelAddress:
     """The sentinels, primary name and db of a ``redis+sentinel://`` URL; ConfigError naming the fix otherwise."""
     form = f"{SENTINEL_SCHEME}://HOST:PORT[,HOST:PORT...]/PRIMARY[/DB]"
     parts = urlsplit(url)
+    if parts.query:
+        raise ConfigError(f"redis.url={url!r}: a Sentinel URL takes no options (TLS to a Sentinel-managed primary is "
+                          "not supported); remove ?{parts.query}")
     if "@" in parts.netloc:
         raise ConfigError(f"redis.url={url!r}: a Sentinel URL carries no password; set redis.password_var instead")
     sentinels = []

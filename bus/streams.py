@@ -421,18 +421,22 @@ class Bus:
         return await asyncio.shield(self._commit(args.keys, args.argv, guard))
 
     async def _commit(self, keys: list[str], argv: list, guard) -> list[str]:
-        reply = await self._commit_script(keys=keys, args=argv)
+        if self.cfg.wait_replicas:  # WAIT counts the writes of its own connection: send both on one
+            pipe = self.redis.pipeline(transaction=False)
+            await self._commit_script(keys=keys, args=argv, client=pipe)
+            pipe.wait(self.cfg.wait_replicas, self.cfg.wait_timeout_ms)
+            reply, replicas = await pipe.execute()
+        else:
+            reply, replicas = await self._commit_script(keys=keys, args=argv), None
         status = as_str(reply[0])
         if status == "not_owned":
             raise NotOwned(f"{as_str(reply[1])} entry {as_str(reply[2])} is no longer pending for {self.worker} "
                            f"(another consumer reclaimed it, or this commit already went through); nothing was written")
         if status == "conflict":
             raise CommitConflict(f"{as_str(reply[1])} {as_str(reply[2])} is {reply[3]!r}, expected {guard[2]!r}")
-        if self.cfg.wait_replicas:
-            replicas = await self.redis.wait(self.cfg.wait_replicas, self.cfg.wait_timeout_ms)
-            if replicas < self.cfg.wait_replicas:
-                self.log.warning("replication_lagging", replicas=replicas, wanted=self.cfg.wait_replicas,
-                                 waited_ms=self.cfg.wait_timeout_ms)
+        if replicas is not None and replicas < self.cfg.wait_replicas:
+            self.log.warning("replication_lagging", replicas=replicas, wanted=self.cfg.wait_replicas,
+                             waited_ms=self.cfg.wait_timeout_ms)
         return [as_str(i) for i in reply[1:]]
 
     # Fan-out reads (no group): weights, policy, metrics.

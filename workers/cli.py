@@ -33,7 +33,7 @@ NO_CONFIG_ROLES = {"inspect", "redis", "init-model", "replay", "config"}
 """Roles that get ``config=None`` when no @file or override was given."""
 
 
-STAGED_ROLES = {"run", "config", "inspect"}
+STAGED_ROLES = {"run", "config"}
 """Roles that take a config with ``[[stage]]``s (the others run one stage's config)."""
 
 

@@ -262,7 +262,8 @@ class RlbusConfig(Section):
                 raise ValueError(f"stage.{i} must be a table ([[stage]] with a name), not {table!r}")
             table = dict(table)
             name = table.pop("name", None)
-            from_previous = table.pop("from_previous", i > 0 and "path" not in table.get("model", {}))
+            named = {**table.get("student", {}), **table.get("model", {})}  # prime-rl's [student] is [model]
+            from_previous = table.pop("from_previous", i > 0 and "path" not in named)
             own = {"name": f"{run['name']}-{name}", "output_dir": str(Path(run["output_dir"]) / str(name))}
             merged = deep_merge(deep_merge(base, {"run": own}), table)
             stages.append({"name": name, "from_previous": from_previous, "config": merged})
@@ -310,6 +311,12 @@ class RlbusConfig(Section):
         if self.stage and self.stage[0].from_previous:
             raise ValueError(f"stage {names[0]!r} is the first; it has no previous stage to start from "
                              "(remove its from_previous)")
+        for previous, stage in zip(self.stage, self.stage[1:], strict=False):
+            if stage.from_previous and previous.config.trainer.weight_transport != "safetensors":
+                raise ValueError(f"stage {stage.name!r} starts from stage {previous.name!r}'s last weights, but "
+                                 f"{previous.name!r} broadcasts its weights (trainer.weight_transport = "
+                                 f"{previous.config.trainer.weight_transport!r}) and writes no weights folder; set it "
+                                 "to \"safetensors\" there, or give this stage a model.path")
         ratios = [e.ratio for e in self.env]
         if any(r is None for r in ratios) and any(r is not None for r in ratios):
             raise ValueError("set ratio on every [[env]] or on none (got a mix of set and unset ratios)")

@@ -80,3 +80,8 @@ def test_stage_names_differ_and_the_first_has_no_previous(tmp_path):
         chain(tmp_path, overrides=[("stage.1.name", "sft")])
     with pytest.raises(ConfigError, match="has no previous stage"):
         chain(tmp_path, overrides=[("stage.0.from_previous", "true")])
+
+
+def test_a_stage_cannot_start_from_weights_its_previous_stage_never_writes(tmp_path):
+    with pytest.raises(ConfigError, match="writes no weights folder"):
+        chain(tmp_path, overrides=[("stage.0.trainer.weight_transport", "nccl")])

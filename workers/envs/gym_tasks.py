@@ -22,6 +22,9 @@ def load_environment(dataset: str, size: int = 1000, seed: int = 0, system_promp
                      holdout: float = 0.0, split: Literal["train", "held_out"] = "train", **config: Any) -> Environment:
     """reasoning-gym's ``dataset`` generator with ``size`` examples from ``seed`` (those of ``split`` when
     ``holdout`` > 0)."""
+    if split == "held_out" and not holdout:
+        raise ValueError("split='held_out' needs holdout > 0 (the fraction of answers set aside), or it is the "
+                         "whole dataset, training's too")
     if not 0.0 <= holdout < 1.0 or split not in ("train", "held_out"):
         raise ValueError(f"need 0 <= holdout < 1 and split 'train' or 'held_out', got holdout={holdout} "
                          f"split={split!r}")

@@ -181,6 +181,7 @@ class InferenceServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         done = asyncio.gather(*(asyncio.wrap_future(h.future) for h in handles))
+        next_token: asyncio.Future | None = None
         try:
             for index in range(len(deltas)):
                 await response.write(writer.start(index))
@@ -205,6 +206,8 @@ class InferenceServer:
             for handle in handles:
                 handle.cancelled = True  # the client went away: free its batch rows
             done.cancel()
+            if next_token is not None:
+                next_token.cancel()
             raise
         return response
 

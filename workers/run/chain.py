@@ -55,13 +55,13 @@ def run_stages(config: RlbusConfig, args: argparse.Namespace) -> int:
     code = 0
     for i, stage in enumerate(config.stage):
         stage_config = stage.config
-        if stage.from_previous:
-            stage_config = with_model_path(stage_config, last_weights(config.stage[i - 1].config, summaries[-1]))
         stage_out = Path(stage_config.run.output_dir)
         summary = read_summary(stage_out) if args.resume else None
-        if summary is not None and summary.get("stopped_because") in FINISHED:
+        if summary is not None and finished(summary, stage_config):
             print(f"rlbus run: stage {stage.name} finished before ({summary['steps_trained']} steps); skipped", flush=True)
         else:
+            if stage.from_previous:
+                stage_config = with_model_path(stage_config, last_weights(config.stage[i - 1].config, summaries[-1]))
             print(f"rlbus run: stage {i + 1}/{len(config.stage)} {stage.name} in {stage_out}", flush=True)
             code, stopped_because = run_once(stage_config, args, resume=args.resume and stage_out.exists(),
                                              attach=False)
@@ -78,6 +78,14 @@ def run_stages(config: RlbusConfig, args: argparse.Namespace) -> int:
     write_stages_report(rows, out, title=f"rlbus run {config.run.name}")
     print(stages_text(summaries, out), flush=True)
     return code
+
+
+def finished(summary: dict, config: RlbusConfig) -> bool:
+    """Whether a stage's summary says it is done under ``config`` (a raised ``max_steps`` means it is not)."""
+    if summary.get("stopped_because") == DATA_EXHAUSTED:
+        return True
+    wanted = config.run.max_steps
+    return summary.get("stopped_because") == "max_steps" and (wanted is None or summary["steps_trained"] >= wanted)
 
 
 def all_from_references(config: RlbusConfig) -> bool:

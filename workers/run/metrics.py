@@ -1,8 +1,8 @@
 """The ``metrics`` stream → ``output_dir/metrics.jsonl`` (and W&B when ``[wandb]`` is configured).
 
-One JSON object per metrics entry: ``{"id", "source", "step", "at", **values}``. The file is
-rewritten from the start of the stream when a writer starts, so a resumed run's file holds the
-whole history once. W&B is imported only when configured; ``mode = "offline"`` writes under
+One JSON object per metrics entry: ``{"id", "source", "step", "at", **values}``. A resumed run (or a restarted
+``--attach``) keeps the rows the file has and goes on after its last entry id, so the file holds the whole
+history once even when ``redis.maxlen`` has trimmed the stream's start (a fresh run starts without the file). W&B is imported only when configured; ``mode = "offline"`` writes under
 ``output_dir/wandb`` for a later ``wandb sync``. A resumed run continues the same W&B run (its id, in
 ``wandb/run-id``) and logs only the entries after the last one it logged before (``wandb/logged-through`` keeps that id), so
 no row reaches W&B twice; ``report.png`` is logged at the end.
@@ -23,9 +23,13 @@ class MetricsWriter:
     def __init__(self, output_dir: Path, run_name: str, wandb_cfg: WandbConfig | None = None, config: dict | None = None):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = read_rows(self.path)
+        """Every row of the file, in stream order: those of an earlier session of the run, then this one's."""
         self._file = open(self.path, "w")
-        self.rows: list[dict[str, Any]] = []
-        """Every row written, in stream order."""
+        self._file.writelines(json.dumps(row) + "\n" for row in self.rows)  # without a torn last line
+        self._file.flush()
+        self.last_id = self.rows[-1]["id"] if self.rows else "0"
+        """The last entry in the file: this session reads the stream after it."""
         self._wandb = _start_wandb(wandb_cfg, run_name, Path(output_dir), config) if wandb_cfg else None
         self._logged_path = Path(output_dir) / "wandb" / "logged-through"
         self._logged_through = _entry_key(self._logged_path.read_text()) if self._logged_path.exists() else (-1, -1)
@@ -40,19 +44,23 @@ class MetricsWriter:
             if metric.step is not None:
                 logged["step"] = metric.step
             self._wandb.log(logged)
-            self._logged_path.write_text(entry_id)
+            partial = self._logged_path.with_suffix(".partial")
+            partial.write_text(entry_id)
+            partial.replace(self._logged_path)  # whole or not at all: a crash leaves the previous id
         return row
 
     def close(self, report: Path | None = None) -> None:
         """Close the file; with W&B, log ``report`` (a picture, when there is one) and finish the run."""
         self._file.close()
         if self._wandb is not None:
-            if report is not None and Path(report).exists():
-                import wandb
+            try:
+                if report is not None and Path(report).exists():
+                    import wandb
 
-                self._wandb.log({"report": wandb.Image(str(report))})
-            self._wandb.finish()
-            self._wandb = None
+                    self._wandb.log({"report": wandb.Image(str(report))})
+            finally:
+                self._wandb.finish()
+                self._wandb = None
 
 
 def _start_wandb(cfg: WandbConfig, run_name: str, output_dir: Path, config: dict | None):
@@ -81,6 +89,13 @@ def _entry_key(entry_id: str) -> tuple[int, int]:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a finished run's ``metrics.jsonl`` (none if it has no file)."""
+    """The rows of a run's ``metrics.jsonl`` (none if it has no file); a torn last line (a crash mid-write) is
+    left out."""
     path = Path(path)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # only the last line can be torn: rows are written whole, one at a time
+    return rows

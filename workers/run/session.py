@@ -262,6 +262,9 @@ class RunSession:
         probe = RunProbe(self.config, bus)
         writer = MetricsWriter(self.output_dir, self.config.run.name, self.config.wandb,
                                self.config.model_dump(mode="json"))
+        self.metrics_last_id = writer.last_id
+        for row in writer.rows:  # an earlier session's rows, which the stream may no longer hold
+            probe.observe(row)
         tasks = [asyncio.create_task(self._follow_metrics(bus, writer, probe), name="metrics"),
                  asyncio.create_task(self._supervise(), name="supervisor")]
         if evaluator is not None:

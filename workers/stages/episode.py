@@ -330,16 +330,23 @@ async def reference_answers(task: Task, env: Any, messages: list[dict], sampling
 
 def chat_answers(client: Any) -> Callable[[Task, Any, list[dict], Sampling], Any]:
     """A chat teacher's answers: ``task.group_size`` replies from ``/v1/chat/completions`` (no logprobs asked;
-    only the knobs OpenAI's API knows are sent, and only those set)."""
+    only the knobs OpenAI's API knows are sent, and only those set: the student's ``extra_body`` is for its own
+    servers). An empty or cut-off answer fails the task (retried, then dead-lettered) rather than teach it."""
 
     async def answers(task: Task, env: Any, messages: list[dict], sampling: Sampling) -> list[str]:
         knobs = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                 "max_completion_tokens": sampling.max_completion_tokens, "stop": sampling.stop or None,
-                 **(sampling.extra_body or {})}
+                 "max_completion_tokens": sampling.max_completion_tokens, "stop": sampling.stop or None}
         reply = await client.chat(messages, n=task.group_size, **{k: v for k, v in knobs.items() if v is not None})
-        texts = [(choice.get("message") or {}).get("content") or "" for choice in reply.get("choices") or []]
-        if len(texts) != task.group_size:
-            raise RolloutError(f"the chat teacher gave {len(texts)} answers for n={task.group_size}")
+        choices = reply.get("choices") or []
+        if len(choices) != task.group_size:
+            raise RolloutError(f"the chat teacher gave {len(choices)} answers for n={task.group_size}")
+        texts = []
+        for choice in choices:
+            text, reason = (choice.get("message") or {}).get("content"), choice.get("finish_reason")
+            if not text or reason not in (None, "stop"):  # a refusal, a filter, an answer cut off: nothing to learn
+                raise RolloutError(f"the chat teacher's answer is not a whole one (finish_reason={reason!r}, "
+                                   f"{len(text or '')} characters); raise max_completion_tokens or check the teacher")
+            texts.append(text)
         return texts
 
     return answers

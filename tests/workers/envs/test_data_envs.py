@@ -79,6 +79,8 @@ def test_a_held_out_split_never_shares_an_answer_with_training_whatever_the_seed
     assert not answers(train) & answers(test)
     with pytest.raises(ConfigError, match="holdout=1.5"):
         load_env("reasoning_gym", {**args, "holdout": 1.5})
+    with pytest.raises(ConfigError, match="split='held_out' needs holdout > 0"):
+        load_env("reasoning_gym", {**args, "holdout": 0, "split": "held_out"})
 
 
 def test_the_quick_starts_task_gives_trivial_policies_at_most_a_quarter():

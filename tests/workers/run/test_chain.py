@@ -107,3 +107,14 @@ def test_a_stage_whose_previous_weights_are_gone_is_a_config_error_naming_the_fo
     (tmp_path / "out" / "rl" / "summary.json").unlink()
     with pytest.raises(ConfigError, match=r"sft/weights/step_3 are not there"):
         chain.run_stages(config, args(resume=True))
+
+
+def test_resume_runs_a_finished_stage_again_when_its_max_steps_was_raised(config, tmp_path, monkeypatch):
+    monkeypatch.setattr(chain, "run_once", StandIn())
+    chain.run_stages(config, args())
+    raised = config.model_copy(deep=True)
+    raised.stage[2].config.run.max_steps = 4
+    runs = StandIn()
+    monkeypatch.setattr(chain, "run_once", runs)
+    assert chain.run_stages(raised, args(resume=True)) == 0
+    assert [(c[0], c[2]) for c in runs.calls] == [("more", True)]

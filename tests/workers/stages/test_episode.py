@@ -8,7 +8,14 @@ import pytest
 
 from bus.messages import Task
 from workers.env_config import SamplingConfig
-from workers.stages.episode import AnswerRunner, ChatTokens, GroupRunner, RolloutError, reference_answers
+from workers.stages.episode import (
+    AnswerRunner,
+    ChatTokens,
+    GroupRunner,
+    RolloutError,
+    chat_answers,
+    reference_answers,
+)
 from workers.tools.init_model import build_tokenizer
 
 
@@ -167,3 +174,25 @@ def test_sft_from_data_trains_on_the_reference_answer_with_the_chat_template(cha
     short = AnswerRunner(chat, 20, lambda: 0, reference_answers, "reference")
     with pytest.raises(RolloutError, match="reference answer are .* over inference.max_model_len=20"):
         asyncio.run(short.run(task, ReferenceEnv(), SamplingConfig(), max_turns=1))
+
+
+def test_a_chat_teachers_cut_off_or_empty_answer_fails_the_task_and_a_whole_one_is_trained_on(chat):
+    class Teacher:
+        def __init__(self, choices):
+            self.choices, self.sent = choices, {}
+
+        async def chat(self, messages, **fields):
+            self.sent = fields
+            return {"choices": self.choices}
+
+    task = Task(task_id="e:0:0", env="e", example_index=7, example_id="7", group_size=1, mode="sft")
+    whole = Teacher([{"message": {"content": "answer 7"}, "finish_reason": "stop"}])
+    runner = AnswerRunner(chat, 512, lambda: 0, chat_answers(whole), "teacher")
+    (s,), timings = asyncio.run(runner.run(task, ReferenceEnv(), SamplingConfig(extra_body={"top_k": 5}), 1))
+    assert chat.tokenizer.decode(s.completion_ids) == "answer 7<|im_end|>" and s.reward == 1.0
+    assert "teacher_s" in timings and "top_k" not in whole.sent and whole.sent["n"] == 1
+    for bad in ({"message": {"content": None}, "finish_reason": "content_filter"},
+                {"message": {"content": "answ"}, "finish_reason": "length"}):
+        cut = AnswerRunner(chat, 512, lambda: 0, chat_answers(Teacher([bad])), "teacher")
+        with pytest.raises(RolloutError, match="not a whole one"):
+            asyncio.run(cut.run(task, ReferenceEnv(), SamplingConfig(), 1))
