@@ -106,7 +106,10 @@ class Bus:
         return cls(client, run, cfg, worker)
 
     async def close(self) -> None:
+        manager = getattr(self.redis.connection_pool, "sentinel_manager", None)
         await self.redis.aclose()
+        for sentinel in manager.sentinels if manager is not None else ():  # a primary found through Sentinel
+            await sentinel.aclose()
 
     # Publishing.
 

@@ -31,9 +31,9 @@ from tests.paths import REPO
 DEFAULT = REPO / "configs" / "default.toml"
 QUICKSTART = REPO / "configs" / "quickstart.toml"
 
-LEARNING_THRESHOLD = 0.3
+LEARNING_THRESHOLD = 0.5
 """The README's claim: the default job's mean training reward over its last 20 steps exceeds this (best constant
-answer ≈ 0.2; measured 0.50 and 0.45 at step 600 on the shared 2-core box)."""
+answer ≈ 0.2; with the entropy bonus three seeds ended at 0.73–0.75 over their last 50 steps, without it 0.43–0.50)."""
 
 
 QUICKSTART_THRESHOLD = 0.8
