@@ -37,10 +37,11 @@ def chunk_logits_grad(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp:
     logp = logits.log_softmax(-1) if grad_entropy is not None else None
     probs = logits.softmax(-1) if logp is None else logp.exp()
     columns = torch.arange(probs.shape[-1], device=probs.device)
-    grad = torch.where(columns[None, :] == targets[:, None], 1.0 - probs, -probs) * grad_out[:, None]
-    if logp is not None:
-        entropy = -(probs * logp).sum(-1)
-        grad = grad - probs * (logp + entropy[:, None]) * grad_entropy[:, None]
+    grad = torch.where(columns[None, :] == targets[:, None], 1.0 - probs, -probs)
+    if logp is None:
+        return (grad * (grad_out * inv_temp)[:, None]).to(weight.dtype)
+    entropy = -(probs * logp).sum(-1)
+    grad = grad * grad_out[:, None] - probs * (logp + entropy[:, None]) * grad_entropy[:, None]
     return (grad * inv_temp[:, None]).to(weight.dtype)
 
 
@@ -48,14 +49,15 @@ class ChunkedLogprobs(torch.autograd.Function):
     """``log softmax(h Wᵀ / τ)[target]`` and the entropy of that distribution, chunk by chunk.
 
     Shapes: hidden ``[T, H]``, weight ``[V, H]``, targets ``[T]`` (int64), inv_temp ``[T]`` (fp32)
-    → logprobs ``[T]`` fp32 and entropy ``[T]`` fp32, both differentiable (the entropy's backward costs nothing
-    unless a loss uses it: ``trainer.entropy_coef``).
+    → logprobs ``[T]`` fp32 (differentiable) and entropy ``[T]`` fp32, differentiable only with ``entropy_grad``
+    (``trainer.entropy_coef``; otherwise a metric, and its backward does no extra work).
     ``fns`` is ``(chunk_logprobs, chunk_logits_grad)`` or torch.compiled versions of them (one
     fused kernel per chunk instead of a dozen passes over ``[chunk, V]`` fp32).
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk_size: int, fns):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk_size: int, fns,
+                entropy_grad: bool = False):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -64,15 +66,16 @@ class ChunkedLogprobs(torch.autograd.Function):
             logprobs[start:end], entropy[start:end] = fns[0](hidden[start:end], weight, targets[start:end],
                                                                inv_temp[start:end])
         ctx.save_for_backward(hidden, weight, targets, inv_temp)
-        ctx.chunk_size, ctx.fns = chunk_size, fns
-        ctx.set_materialize_grads(False)  # an output no loss used gets None, not zeros: no work for it
+        ctx.chunk_size, ctx.fns, ctx.entropy_grad = chunk_size, fns, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+    def backward(ctx, grad_logprobs: Tensor, grad_entropy: Tensor):
         hidden, weight, targets, inv_temp = ctx.saved_tensors
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        if not ctx.entropy_grad:
+            grad_entropy = None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
@@ -86,7 +89,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_weight += (grad.t() @ h).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 @dataclass
@@ -106,13 +109,15 @@ class PolicyModel(nn.Module):
     (tied or not). ``lm`` stays reachable as ``.lm`` (its state dict is the Hugging Face one).
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024, compile_head: bool = False):
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024, compile_head: bool = False, entropy_grad: bool = False):
         super().__init__()
         head = lm.get_output_embeddings()
         if not isinstance(head, nn.Linear) or head.bias is not None:
             raise ValueError(f"{type(lm).__name__}: output head {type(head).__name__} is not a bias-free Linear")
         self.lm = lm
         self.chunk_size = chunk_size
+        self.entropy_grad = entropy_grad
+        """Whether the entropy is differentiable (a loss uses it: ``trainer.entropy_coef``)."""
         fns = (chunk_logprobs, chunk_logits_grad)
         self.head_fns = tuple(torch.compile(fn, dynamic=False) for fn in fns) if compile_head else fns
 
@@ -129,7 +134,8 @@ class PolicyModel(nn.Module):
         inv_temp = torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), torch.ones_like(temps))
         weight = self.lm.get_output_embeddings().weight
         targets = input_ids[:, 1:].reshape(-1)
-        logprobs, entropy = ChunkedLogprobs.apply(hidden, weight, targets, inv_temp, self.chunk_size, self.head_fns)
+        logprobs, entropy = ChunkedLogprobs.apply(hidden, weight, targets, inv_temp, self.chunk_size, self.head_fns,
+                                                  self.entropy_grad)
         first = position_ids[:, 1:] == 0  # first token of a sample: not predicted from this sample
         logprobs = logprobs.view(first.shape).masked_fill(first, 0.0)
         entropy = entropy.view(first.shape).masked_fill(first, 0.0)

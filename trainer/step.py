@@ -151,6 +151,8 @@ def _forward_backward(policy: nn.Module, group: list[Batch], loss_fns: dict[str,
                             teacher_logprobs=batch.teacher_logprobs)
         terms = loss_fns[batch.mode](inputs)
         if entropy_coef and batch.mode == "rl":
+            if not entropy.requires_grad:
+                raise RuntimeError("trainer.entropy_coef needs the policy built with PolicyModel(entropy_grad=True)")
             terms = LossTerms(loss=terms.loss - entropy_coef * entropy, masked=terms.masked)
         loss = reduce_loss(terms, batch.loss_mask, mode_tokens[batch.mode])
         total = total + loss * (batch.weight * world_size)

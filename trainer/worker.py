@@ -76,7 +76,8 @@ class TrainerWorker:
         lm = load_model(self.config.model.path, self.device, resolve_dtype(self.config.model.dtype, self.device))
         self.n_params = count_parameters(lm)
         self.lm_config = lm.config
-        self.policy = prepare_model(PolicyModel(lm, self.cfg.logprob_chunk_size, compile_head=self.cfg.compile),
+        self.policy = prepare_model(PolicyModel(lm, self.cfg.logprob_chunk_size, compile_head=self.cfg.compile,
+                                                entropy_grad=self.cfg.entropy_coef > 0),
                                     self.ctx, self.device.type, self.cfg.compile)
         self.reference = self._reference()
         self.optimizer = build_optimizer(self.policy, self.cfg)

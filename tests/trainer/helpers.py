@@ -91,17 +91,17 @@ def save_tiny_model(dir: Path, seed: int = 0) -> Path:
     return dir
 
 
-def setup_policy(lr=1e-2, seed=0, **cfg):
-    policy = PolicyModel(tiny_lm(seed), chunk_size=16)
+def setup_policy(lr=1e-2, seed=0, entropy_grad=False, **cfg):
+    policy = PolicyModel(tiny_lm(seed), chunk_size=16, entropy_grad=entropy_grad)
     tcfg = TrainerConfig(lr=lr, **cfg)
     opt = build_optimizer(policy, tcfg)
     return policy, opt, build_scheduler(opt, tcfg, 10)
 
 
-def step_gradients(mbs, forward_batch=1, **step_kw):
+def step_gradients(mbs, forward_batch=1, entropy_grad=False, **step_kw):
     """Metrics and the (clipped) gradients AdamW is handed in one step. Compare gradients, not updated weights:
     AdamW's first update is ≈ lr·sign(g), so float-rounding noise on a near-zero gradient moves a weight by ~lr."""
-    policy, opt, sched = setup_policy()
+    policy, opt, sched = setup_policy(entropy_grad=entropy_grad)
     grads = {}
 
     def record(_optimizer, _args, _kwargs):

@@ -111,11 +111,13 @@ def test_kl_penalty_shifts_each_rl_advantage_by_the_reference_log_ratio(forward_
 def test_an_entropy_bonus_alone_raises_the_entropy_and_leaves_other_modes_alone(forward_batch):
     rl = [micro_batch(1, i, 2, [(3, 8), (2, 6)], mode="rl", seed=3) for i in range(2)]
     flat = [mb.model_copy(update={"advantages": mb.advantages * 0}) for mb in rl]  # no policy-gradient signal
-    policy, opt, sched = setup_policy(lr=1e-2)
+    policy, opt, sched = setup_policy(lr=1e-2, entropy_grad=True)
     entropies = [run_step(policy, opt, sched, [mb.model_copy(update={"step": s}) for mb in flat], step=s,
                           forward_batch=forward_batch, entropy_coef=1.0)["entropy"] for s in range(1, 6)]
     assert entropies[-1] > entropies[0] + 1e-3, entropies
     sft = [micro_batch(1, 0, 1, [(3, 8)], mode="sft", seed=4)]
     _, g0 = step_gradients(sft, forward_batch=forward_batch)
-    _, g1 = step_gradients(sft, forward_batch=forward_batch, entropy_coef=1.0)
+    _, g1 = step_gradients(sft, forward_batch=forward_batch, entropy_grad=True, entropy_coef=1.0)
     assert_same_gradients(g0, g1)
+    with pytest.raises(RuntimeError, match="entropy_grad=True"):
+        step_gradients(rl, forward_batch=forward_batch, entropy_coef=1.0)
