@@ -260,6 +260,9 @@ class RlbusConfig(Section):
         for i, table in enumerate(data["stage"]):
             if not isinstance(table, dict):
                 raise ValueError(f"stage.{i} must be a table ([[stage]] with a name), not {table!r}")
+            if "config" in table:  # a stage already expanded: a validated config dumped and read back
+                stages.append(table)
+                continue
             table = dict(table)
             name = table.pop("name", None)
             named = {**table.get("student", {}), **table.get("model", {})}  # prime-rl's [student] is [model]
