@@ -79,19 +79,18 @@ class _PrimaryConnection(SentinelManagedConnection):
 
 def async_client(url: str, **options: Any) -> aioredis.Redis:
     """An asyncio client of ``url`` (``options`` as for ``redis.asyncio.Redis``)."""
-    if not is_sentinel_url(url):
-        return aioredis.Redis.from_url(url, **options)
-    address = parse_sentinel_url(url)
-    sentinel = AsyncSentinel(address.sentinels, socket_timeout=options.get("socket_timeout") or 2.0)
-    return sentinel.master_for(address.primary, redis_class=aioredis.Redis, db=address.db,
-                               connection_class=_AsyncPrimaryConnection, **options)
+    return _client(url, options, aioredis.Redis, AsyncSentinel, _AsyncPrimaryConnection)
 
 
 def sync_client(url: str, **options: Any) -> redis.Redis:
     """A blocking client of ``url`` (``options`` as for ``redis.Redis``)."""
+    return _client(url, options, redis.Redis, Sentinel, _PrimaryConnection)
+
+
+def _client(url: str, options: dict[str, Any], redis_class: type, sentinel_class: type, connection_class: type):
     if not is_sentinel_url(url):
-        return redis.Redis.from_url(url, **options)
+        return redis_class.from_url(url, **options)
     address = parse_sentinel_url(url)
-    sentinel = Sentinel(address.sentinels, socket_timeout=options.get("socket_timeout") or 2.0)
-    return sentinel.master_for(address.primary, redis_class=redis.Redis, db=address.db,
-                               connection_class=_PrimaryConnection, **options)
+    sentinel = sentinel_class(address.sentinels, socket_timeout=options.get("socket_timeout") or 2.0)
+    return sentinel.master_for(address.primary, redis_class=redis_class, db=address.db,
+                               connection_class=connection_class, **options)
