@@ -63,7 +63,7 @@ def run_stages(config: RlbusConfig, args: argparse.Namespace) -> int:
             if stage.from_previous:
                 stage_config = with_model_path(stage_config, last_weights(config.stage[i - 1].config, summaries[-1]))
             print(f"rlbus run: stage {i + 1}/{len(config.stage)} {stage.name} in {stage_out}", flush=True)
-            code, stopped_because = run_once(stage_config, args, resume=args.resume and stage_out.exists(),
+            code, _ = run_once(stage_config, args, resume=args.resume and stage_out.exists(),
                                              attach=False)
             summary = read_summary(stage_out)
             if summary is None:
