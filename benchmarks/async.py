@@ -14,27 +14,17 @@ reward's 10-step mean first reaches ``--threshold``, and the reward at the end; 
 """
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from rlbus_run import ROOT, rlbus_run
 
 
 def run_job(out: Path, steps: int, port: int, *overrides: str) -> dict:
     """One ``rlbus run``; its wall time, steps and per-step (time, reward) from metrics.jsonl."""
-    argv = [sys.executable, "-m", "workers.cli", "run", "@", str(ROOT / "configs" / "default.toml"),
-            "--run.output_dir", str(out), "--run.name", out.name, "--run.max_steps", str(steps),
-            "--inference.port", str(port), "--eval.env", "none", *overrides]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"rlbus run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    packed = sorted((r["at"], r["step"], r["packer/reward_mean"]) for r in rows if "packer/reward_mean" in r)
-    return {"wall_s": summary["wall_s"], "steps": summary["steps_trained"], "rewards": packed}
+    run = rlbus_run(ROOT / "configs" / "default.toml", out, steps, port, "--eval.env", "none", *overrides)
+    packed = sorted((r["at"], r["step"], r["packer/reward_mean"]) for r in run.rows if "packer/reward_mean" in r)
+    return {"wall_s": run.summary["wall_s"], "steps": run.summary["steps_trained"], "rewards": packed}
 
 
 def seconds_to(rewards: list[tuple[float, int, float]], threshold: float, window: int = 10) -> float | None:

@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from rlbus_run import ROOT, rlbus_run
+
 sys.path.insert(0, str(ROOT))
 
 from workers.config import RlbusConfig  # noqa: E402
@@ -35,19 +36,10 @@ WINDOWS = 4
 
 def rlbus_job(config_path: Path, model_dir: Path, out: Path, steps: int, port: int, seed: int) -> dict:
     """One ``rlbus run``; its wall time, per-step rewards, and the greedy eval at the end."""
-    argv = [sys.executable, "-m", "workers.cli", "run", "@", str(config_path), "--model.path", str(model_dir),
-            "--run.seed", str(seed),
-            "--run.output_dir", str(out),
-            "--run.name", out.name, "--run.max_steps", str(steps), "--inference.port", str(port),
-            "--eval.interval", str(steps), "--ckpt.interval", "none"]
-    started = time.monotonic()
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    wall = time.monotonic() - started
-    if done.returncode != 0:
-        raise SystemExit(f"rlbus run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rewards = dict(sorted((r["step"], r["packer/reward_mean"]) for r in rows if "packer/reward_mean" in r))
+    run = rlbus_run(config_path, out, steps, port, "--model.path", str(model_dir), "--run.seed", str(seed),
+                    "--eval.interval", str(steps), "--ckpt.interval", "none")
+    summary, wall = run.summary, run.wall_s
+    rewards = dict(sorted((r["step"], r["packer/reward_mean"]) for r in run.rows if "packer/reward_mean" in r))
     final = summary["eval"].get(str(steps), {})
     greedy = next((v for k, v in final.items() if k.endswith("/reward")), float("nan"))
     return {"wall_s": wall, "steps": summary["steps_trained"], "rewards": list(rewards.values()), "greedy": greedy}

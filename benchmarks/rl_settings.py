@@ -8,13 +8,10 @@ greedy eval at the end (the config's eval envs), mean entropy of the last 50 ste
 """
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from rlbus_run import ROOT, rlbus_run
 
 SETTINGS: dict[str, tuple[str, ...]] = {
     "as shipped": (),
@@ -31,14 +28,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
 
 
 def run(config: Path, out: Path, steps: int, seed: int, port: int, overrides: tuple[str, ...]) -> dict:
-    argv = [sys.executable, "-m", "workers.cli", "run", "@", str(config), "--run.output_dir", str(out),
-            "--run.name", out.name, "--run.max_steps", str(steps), "--run.seed", str(seed),
-            "--inference.port", str(port), "--eval.interval", str(steps), *overrides]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"rlbus run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    done = rlbus_run(config, out, steps, port, "--run.seed", str(seed), "--eval.interval", str(steps), *overrides)
+    summary, rows = done.summary, done.rows
     last = lambda key, source: [r[key] for r in rows if r["source"] == source and key in r  # noqa: E731
                                 and r.get("step") is not None and r["step"] > steps - 50]
     rewards, entropy = last("packer/reward_mean", "packer"), last("entropy", "trainer")
