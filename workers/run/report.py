@@ -70,6 +70,13 @@ def eval_results(rows: list[Row]) -> dict[int, dict[str, float]]:
     return dict(sorted(out.items()))
 
 
+def eval_curves(rows: list[Row], pass_at_1: bool) -> dict[str, dict[int, float]]:
+    """Each eval reward (and pass@1 when asked) as step → value, by metric name."""
+    evals = eval_results(rows)
+    keys = {k for v in evals.values() for k in v if k.endswith("/reward") or (pass_at_1 and "/pass@1" in k)}
+    return {key: {s: v[key] for s, v in evals.items() if key in v} for key in sorted(keys)}
+
+
 def reward_points(rewards: dict[int, float]) -> dict[str, Any]:
     """First, last and best step of the training reward curve."""
     if not rewards:
@@ -126,9 +133,7 @@ def write_report(rows: list[Row], output_dir: Path, title: str = "") -> Path:
     ax.plot(list(rewards), list(rewards.values()), label="train reward", color="tab:blue", alpha=0.35)
     ax.plot(list(rewards), moving_mean(list(rewards.values())), label="train reward (mean of 10 steps)",
             color="tab:blue")
-    evals = eval_results(rows)
-    for key in sorted({k for v in evals.values() for k in v if k.endswith("/reward") or "/pass@1" in k}):
-        points = {s: v[key] for s, v in evals.items() if key in v}
+    for key, points in eval_curves(rows, pass_at_1=True).items():
         ax.plot(list(points), list(points.values()), "o-", label=key)
     ax.set(title="reward", xlabel="step")
     ax.legend(fontsize=8)
@@ -193,9 +198,7 @@ def write_stages_report(stages: list[tuple[str, list[Row], bool]], output_dir: P
         rewards = train_reward(rows)
         if show_train:
             ax.plot([offset + s for s in rewards], moving_mean(list(rewards.values())), color=f"C{i}", label=f"{name}: train reward (mean of 10 steps)")
-        evals = eval_results(rows)
-        for key in sorted({k for v in evals.values() for k in v if k.endswith("/reward")}):
-            points = {s: v[key] for s, v in evals.items() if key in v}
+        for key, points in eval_curves(rows, pass_at_1=False).items():
             ax.plot([offset + s for s in points], list(points.values()), "o-", color=f"C{i}", alpha=0.6,
                     label=f"{name}: {key}")
         if i:

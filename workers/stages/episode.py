@@ -305,9 +305,10 @@ class AnswerRunner:
         initial = await timer.time("env_s", env.initial(index=task.example_index))
         messages = list(initial["messages"])
         texts = await timer.time(f"{self.source}_s", self.answers(task, env, messages, sampling))
+        prompt_ids = self.chat.prompt(messages)
         samples = []
         for text in texts:
-            ep = Episode(self.chat.prompt(messages), messages + [{"role": "assistant", "content": text}],
+            ep = Episode(list(prompt_ids), messages + [{"role": "assistant", "content": text}],
                          dict(initial.get("state") or {}))
             ids = self.chat.answer(messages, text)
             if len(ep.prompt_ids) + len(ids) > self.max_model_len:
