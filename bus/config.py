@@ -102,6 +102,10 @@ class RedisConfig(Section):
     reconnecting with exponential backoff from 0.1 s up to 5 s between tries; past it the call fails and the
     worker exits for its supervisor to restart. 0: fail at once."""
 
+    heartbeat_s: float = Field(5.0, gt=0)
+    """How often every worker renews its heartbeat in ``workers`` (``rlbus health``, the containers' liveness
+    probes); a worker is unhealthy once its heartbeat is six of these old."""
+
     @field_serializer("url")
     def _redacted(self, url: str | None) -> str | None:
         return redact(url)

@@ -56,6 +56,10 @@ class Keys:
         """Sorted set of live inference servers: member = server id, score = its last heartbeat (Redis time, ms)."""
         return f"{self.prefix}servers"
 
+    def workers(self) -> str:
+        """Sorted set of worker heartbeats: member = ``{worker}@{host}``, score = its last beat (Redis time, ms)."""
+        return f"{self.prefix}workers"
+
     def metrics(self) -> str:
         """Stream every worker → status display and metrics writers."""
         return f"{self.prefix}metrics"

@@ -27,6 +27,7 @@ from bus.commit import COMMIT_LUA, RENEW_LUA, CommandRecorder, CommitConflict, N
 from bus.config import RedisConfig, redact, redis_password
 from bus.errors import DecodeError, RlbusError
 from bus.keys import Keys
+from bus.liveness import WorkerHeartbeat
 from bus.log import get_logger
 from bus.messages import DeadLetter, Message, decode
 from bus.resp import as_str, fast_packing
@@ -86,6 +87,7 @@ class Bus:
         self._trimmed_at = 0.0
         self._commit_script = client.register_script(COMMIT_LUA)
         self._renew_script = client.register_script(RENEW_LUA)
+        self._heartbeat: WorkerHeartbeat | None = None
 
     @classmethod
     async def connect(cls, url: str, run: str, cfg: RedisConfig, worker: str) -> "Bus":
@@ -105,7 +107,15 @@ class Bus:
                              "redis.url (and redis.password_var)") from e
         return cls(client, run, cfg, worker)
 
+    def start_heartbeat(self) -> None:
+        """Renew this worker's heartbeat in ``workers`` (:mod:`bus.liveness`) until :meth:`close`."""
+        self._heartbeat = WorkerHeartbeat(self.redis, self.keys.workers(), self.worker, self.cfg.heartbeat_s,
+                                          self.log)
+        self._heartbeat.start()
+
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            await self._heartbeat.stop()
         manager = getattr(self.redis.connection_pool, "sentinel_manager", None)
         await self.redis.aclose()
         for sentinel in manager.sentinels if manager is not None else ():  # a primary found through Sentinel

@@ -23,6 +23,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "run": ("workers.run.chain:main", "start a whole run (or its [[stage]]s in turn) on this machine"),
     "inspect": ("workers.tools.inspect_run:main", "show a run's streams, groups, lag and pending entries; decode entries"),
     "replay": ("workers.tools.replay:main", "copy recorded rollouts or batches of one run into another run"),
+    "health": ("workers.tools.health:main", "liveness probe: is a ROLE worker on this host heartbeating?"),
     "redis": ("workers.tools.redis_server:main", "run a private redis-server in the foreground and print its URL"),
     "init-model": ("workers.tools.init_model:main", "build a random-init tiny/small Qwen3 with a byte-level tokenizer"),
     "config": ("workers.tools.config_tool:main", "write the config reference, or convert a prime-rl config"),

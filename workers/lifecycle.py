@@ -45,12 +45,15 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
 
 
 async def connect_bus(config: RlbusConfig, worker: str) -> Bus:
-    """The run's Bus; a missing ``redis.url`` is a user error naming the fix."""
+    """The run's Bus, renewing this worker's heartbeat (``rlbus health``); a missing ``redis.url`` is a user error
+    naming the fix."""
     if not config.redis.url:
         raise ConfigError(
             "redis.url is unset; pass --redis.url redis://HOST:PORT/0 (or start everything with `rlbus run`)"
         )
-    return await Bus.connect(config.redis.url, config.run.name, config.redis, worker=worker)
+    bus = await Bus.connect(config.redis.url, config.run.name, config.redis, worker=worker)
+    bus.start_heartbeat()
+    return bus
 
 
 async def run_worker(worker: Worker) -> int:
