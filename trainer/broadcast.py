@@ -7,6 +7,7 @@ with FSDP's — and broadcasts the tensors in manifest order. Each receiver take
 ``store.add("update_{s}/rank", 1)`` and receives into fresh tensors (:func:`receive_weights`).
 """
 
+import socket
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -25,13 +26,25 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _process_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float):
+def local_address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent): the address peers can reach us at."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
+def _process_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float, address: str):
+    """A broadcast group; gloo listens on ``address`` (by default it would take the hostname's address, often
+    127.0.0.1, which a receiver on another host cannot reach)."""
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def manifest(state: Mapping[str, Tensor]) -> list[WeightTensor]:
@@ -57,7 +70,7 @@ class WeightBroadcaster:
         """Join update ``event.step`` as rank 0 (waits for every receiver) and send the tensors in order."""
         state = unique_tensors(state)
         group = _process_group(dist.PrefixStore(f"update_{event.step}", self.store), 0, event.world_size,
-                               self.device, self.timeout_s)
+                               self.device, self.timeout_s, local_address_towards(self.host, self.port))
         try:
             for spec in event.tensors:
                 tensor = state[spec.name].detach()
@@ -89,9 +102,10 @@ def receive_weights(event: WeightUpdate, device: torch.device | str, timeout_s: 
     rank = prefix.add("rank", 1)
     if rank >= event.world_size:
         raise RuntimeError(f"update {event.step}: got rank {rank} of world size {event.world_size}; "
-                           "more receivers joined than inference.servers says")
+                           "more receivers joined than trainer.inference_world_size (default: one per inference server URL)")
     comm_device = device if device.type == "cuda" else torch.device("cpu")
-    group = _process_group(prefix, rank, event.world_size, comm_device, timeout_s)
+    group = _process_group(prefix, rank, event.world_size, comm_device, timeout_s,
+                           local_address_towards(event.host, event.port))
     out: dict[str, Tensor] = {}
     try:
         for spec in event.tensors:

@@ -124,6 +124,11 @@ class TrainerConfig(Section):
     nccl_port: int = Field(29511, ge=1, le=65535)
     """Rendezvous port of the weight broadcast."""
 
+    inference_world_size: int | None = Field(None, ge=1)
+    """nccl/gloo transport: receivers of each broadcast, one per inference server process (the seed's
+    ``weight_broadcast.inference_world_size``); None = one per server URL (``inference.base_urls``, or
+    ``inference.servers`` local ones)."""
+
     max_shard_mb: int = Field(256, ge=1)
     """Maximum size of one safetensors shard in MiB. Shards are written and hashed in parallel: on an H200,
     Qwen3-0.6B's 1.11 GiB took 0.64 s to write in 256 MiB shards and 1.55 s as one shard."""

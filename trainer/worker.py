@@ -108,8 +108,9 @@ class TrainerWorker:
         if self.ctx.is_main and self.cfg.weight_transport == "nccl":
             from trainer.broadcast import WeightBroadcaster
 
-            self.broadcaster = WeightBroadcaster(self.cfg.nccl_host, self.cfg.nccl_port, self.config.inference.servers,
-                                                 self.device, self.cfg.broadcast_timeout_s)
+            receivers = self.cfg.inference_world_size or len(self.config.inference_urls())
+            self.broadcaster = WeightBroadcaster(self.cfg.nccl_host, self.cfg.nccl_port, receivers, self.device,
+                                                 self.cfg.broadcast_timeout_s)
         self.log.info("trainer_ready", step=self.step, resumed=resume is not None, params=self.n_params,
                       device=str(self.device), world_size=self.ctx.world_size, model=self.config.model.path)
         if self.step > 0:

@@ -123,7 +123,7 @@ PRIME_RL: dict[str, Target] = {
     "weight_broadcast.port": Target("trainer.nccl_port"),
     "weight_broadcast.timeout": Target("trainer.broadcast_timeout_s"),
     "weight_broadcast.quantize_in_weight_transfer": Target(None, "weights travel in the training dtype"),
-    "weight_broadcast.inference_world_size": Target(None, "derived from inference.servers"),
+    "weight_broadcast.inference_world_size": Target("trainer.inference_world_size"),
     "log.level": Target("log.level"),
     "wandb.project": Target("wandb.project"),
     "wandb.name": Target("wandb.name"),

@@ -100,7 +100,8 @@ def test_a_prime_rl_orchestrator_config_converts_and_says_what_it_left(tmp_path)
     assert data["packer"] == {"batch_size": 128, "max_off_policy_steps": 4, "seq_len": 4096,
                               "post_batch_filters": [{"type": "zero_advantage", "enforce": False}]}
     assert data["run"] == {"max_steps": 200, "output_dir": "outputs/reverse"}
-    assert data["trainer"] == {"lr": 3e-6, "weight_transport": "nccl", "nccl_port": 29600}
+    assert data["trainer"] == {"lr": 3e-6, "weight_transport": "nccl", "nccl_port": 29600,
+                               "inference_world_size": 2}
     assert data["inference"] == {"base_urls": ["http://localhost:8000/v1"]}
     assert data["sampling"] == {"max_completion_tokens": 128, "temperature": 0.8}
     first, second = data["env"]
@@ -112,8 +113,7 @@ def test_a_prime_rl_orchestrator_config_converts_and_says_what_it_left(tmp_path)
     assert data["eval"]["sampling"] == {"temperature": 0.0, "reasoning_effort": "low"}
     assert data["ckpt"] == {"interval": 20, "keep_last": 2, "wait_for_weights_timeout": 600, "skip_progress": True}
     reasons = dict(left)
-    assert set(reasons) == {"pool_size", "tokenizer.name", "train.env[1].num_workers",
-                            "weight_broadcast.inference_world_size"}
+    assert set(reasons) == {"pool_size", "tokenizer.name", "train.env[1].num_workers"}
     assert "rollout.workers" in reasons["train.env[1].num_workers"] and "model.path" in reasons["tokenizer.name"]
 
     source = tmp_path / "rl.toml"
