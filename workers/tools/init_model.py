@@ -71,8 +71,9 @@ def _byte_alphabet() -> list[str]:
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
 
-def build_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0) -> Path:
-    """Write tokenizer + random-init Qwen3 of ``preset`` to ``out_dir`` (atomically) and return the path."""
+def build_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0, replace: bool = True) -> Path:
+    """Write tokenizer + random-init Qwen3 of ``preset`` to ``out_dir`` (atomically) and return the path.
+    ``replace=False``: a model that appears at ``out_dir`` meanwhile (a concurrent builder) is kept, not replaced."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown model preset {preset!r}; use one of {sorted(PRESETS)}")
     import torch
@@ -103,9 +104,14 @@ def build_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0) -> Pat
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
+        if replace and out.exists():
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if replace or not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)  # another process built it first: keep theirs
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -133,7 +139,13 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         default=(config.model.init_preset if config else None) or "tiny")
     parser.add_argument("--seed", type=int, default=config.run.seed if config else 0)
+    parser.add_argument("--if-missing", action="store_true",
+                        help="keep a model already at --out; of concurrent callers one builds, the rest keep it "
+                             "(a container's init step)")
     args = parser.parse_args(argv)
-    out = build_model(args.out, preset=args.preset, seed=args.seed)
+    if args.if_missing and (Path(args.out) / "config.json").exists():
+        print(f"model_present path={args.out}")
+        return 0
+    out = build_model(args.out, preset=args.preset, seed=args.seed, replace=not args.if_missing)
     print(f"model_written path={out} preset={args.preset} seed={args.seed}")
     return 0

@@ -67,3 +67,20 @@ def test_cli_entry_without_config(tmp_path, capsys):
     assert main(None, ["--out", str(tmp_path / "m"), "--preset", "tiny", "--seed", "3"]) == 0
     assert (tmp_path / "m" / "tokenizer.json").exists()
     assert "model_written" in capsys.readouterr().out
+
+
+def test_if_missing_keeps_a_model_and_concurrent_builders_agree(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.paths import REPO
+
+    out = tmp_path / "tiny"
+    argv = [sys.executable, "-m", "workers.cli", "init-model", "--out", str(out), "--if-missing"]
+    builders = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    assert [b.wait(120) for b in builders] == [0, 0, 0]  # pods' init containers, all at once
+    assert (out / "config.json").exists() and not list(tmp_path.glob(".tiny.*"))  # one model, no leftovers
+    stamp = (out / "config.json").stat().st_mtime_ns
+    again = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "model_present" in again.stdout
+    assert (out / "config.json").stat().st_mtime_ns == stamp  # kept, not rebuilt
