@@ -66,7 +66,7 @@ async def worker_beats(redis, key: str) -> list[WorkerBeat]:
     """Every heartbeat in the ``workers`` set ``key``, freshest first."""
     rows = await redis.eval(_AGES_LUA, 1, key)
     beats = []
-    for name, age_ms in zip(rows[::2], rows[1::2]):
+    for name, age_ms in zip(rows[::2], rows[1::2], strict=True):
         worker, _, host = as_str(name).rpartition("@")
         beats.append(WorkerBeat(worker, host, int(as_str(age_ms)) / 1000))
     return sorted(beats, key=lambda b: b.age_s)
