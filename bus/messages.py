@@ -407,7 +407,8 @@ class WeightUpdate(Message):
     """New weights after step ``step``: trainer → ``weights`` → every inference server."""
 
     KIND: ClassVar[str] = "weight_update"
-    HEADER: ClassVar[tuple[str, ...]] = ("step", "format", "dir")
+    V: ClassVar[int] = 2
+    HEADER: ClassVar[tuple[str, ...]] = ("step", "format", "dir", "adapter")
 
     step: int = Field(ge=0)
     """Training step that produced these weights."""
@@ -425,6 +426,9 @@ class WeightUpdate(Message):
     """Processes in the broadcast group, trainer rank 0 included (nccl)."""
     tensors: list[WeightTensor] = Field(default_factory=list)
     """Tensor manifest in broadcast order (nccl)."""
+    adapter: str | None = None
+    """LoRA: the adapter's name for this version (``{model.lora name}-step{step}``); ``dir`` then holds a PEFT
+    adapter (adapter_config.json + adapter_model.safetensors) to apply over the base model, not whole weights (v2)."""
     created_at: float = Field(default_factory=time.time)
     """Unix time of publication."""
 

@@ -1,7 +1,8 @@
 """Trainer checkpoints: model, optimizer, scheduler, RNG states and step, written atomically.
 
 ``output_dir/checkpoints/step_{s}/trainer.pt`` holds full (unsharded) state dicts keyed by parameter
-name, so a checkpoint written by W ranks resumes on any number of ranks. The file is written into a
+name, so a checkpoint written by W ranks resumes on any number of ranks (a LoRA run keeps only the adapter:
+the base is ``model.path``). The file is written into a
 temp dir that is then renamed. ``keep_last`` newest checkpoints are kept, plus every step that is a
 multiple of ``keep_interval``.
 """
@@ -24,9 +25,11 @@ FILE_NAME = "trainer.pt"
 class Checkpointer:
     """Saves, finds, loads and prunes the trainer checkpoints of one run."""
 
-    def __init__(self, output_dir: Path | str, cfg: CkptConfig, ctx: DistContext):
+    def __init__(self, output_dir: Path | str, cfg: CkptConfig, ctx: DistContext, trainable_only: bool = False):
         self.root = Path(output_dir) / "checkpoints"
         self.cfg, self.ctx = cfg, ctx
+        self.trainable_only = trainable_only
+        """Keep only the trainable parameters (a LoRA adapter; the frozen base is ``model.path``)."""
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first."""
@@ -57,6 +60,9 @@ class Checkpointer:
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state, optim_state = get_state_dict(policy, optimizer, options=options)
+        if self.trainable_only:
+            trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+            model_state = {name: t for name, t in model_state.items() if name in trainable}
         final = self.root / f"step_{step}"
         if self.ctx.is_main:
             state = {"step": step, "model": model_state, "optimizer": optim_state,
@@ -80,7 +86,7 @@ class Checkpointer:
 
         state = torch.load(self.root / f"step_{step}" / FILE_NAME, map_location="cpu", weights_only=True)
         set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+                       options=StateDictOptions(full_state_dict=True, strict=not self.trainable_only))
         if not weights_only:
             scheduler.load_state_dict(state["scheduler"])
             _set_rng_state(state["rng"])

@@ -74,6 +74,13 @@ class TrainerWorker:
 
         torch.manual_seed(self.config.run.seed)
         lm = load_model(self.config.model.path, self.device, resolve_dtype(self.config.model.dtype, self.device))
+        self.lora = None
+        if self.config.model.lora is not None:
+            from trainer.lora import inject, peft_config
+
+            lora = self.config.model.lora
+            self.lora = peft_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules, self.config.model.path)
+            inject(lm, self.lora)
         self.n_params = count_parameters(lm)
         self.lm_config = lm.config
         self.policy = prepare_model(PolicyModel(lm, self.cfg.logprob_chunk_size, compile_head=self.cfg.compile,
@@ -83,7 +90,7 @@ class TrainerWorker:
         self.optimizer = build_optimizer(self.policy, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg, self.config.run.max_steps)
         self.loss_fns = loss_fns(self.cfg.loss)
-        self.ckpt = Checkpointer(self.output_dir, self.config.ckpt, self.ctx)
+        self.ckpt = Checkpointer(self.output_dir, self.config.ckpt, self.ctx, trainable_only=self.lora is not None)
         self.host_copy = HostCopy()
         self.bus = await connect_bus(self.config, f"trainer-{self.ctx.rank}")
         self.tracker = PolicyTracker(self.bus)
@@ -253,6 +260,10 @@ class TrainerWorker:
         state = full_state_dict(self.policy, self.ctx)
         if not self.ctx.is_main:
             return
+        if self.lora is not None:
+            from trainer.lora import adapter_tensors
+
+            state = adapter_tensors(state)
         bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
         if bad:
             raise RlbusError(f"weights of step {step} hold NaN or inf ({bad[:3]}); not publishing them. The trainer "
@@ -270,15 +281,20 @@ class TrainerWorker:
         self.log.info("weights_published", step=step, format=event.format, dir=event.dir)
 
     async def _save_weights(self, step: int, state, republish: bool) -> WeightUpdate:
+        from trainer.lora import ADAPTER_CONFIG, save_adapter
         from trainer.weights import INDEX_NAME, describe_weights, save_weights, weights_dir
 
         path = weights_dir(self.output_dir, step)
-        if republish and (path / INDEX_NAME).exists():
+        written = path / (ADAPTER_CONFIG if self.lora is not None else INDEX_NAME)
+        if republish and written.exists():
             files = describe_weights(path)
+        elif self.lora is not None:
+            files = await asyncio.to_thread(save_adapter, state, path, self.lora)
         else:
             files = save_weights(state, path, self.cfg.max_shard_mb, host_copy=self.host_copy, config=self.lm_config,
                                  companions=self.config.model.path)
-        return WeightUpdate(step=step, format="safetensors", dir=str(path.resolve()), files=files)
+        adapter = None if self.lora is None else f"{self.config.model.lora.resolved_name}-step{step}"
+        return WeightUpdate(step=step, format="safetensors", dir=str(path.resolve()), files=files, adapter=adapter)
 
     async def _prune(self, step: int) -> None:
         from trainer.weights import prune_weights

@@ -25,6 +25,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "replay": ("workers.tools.replay:main", "copy recorded rollouts or batches of one run into another run"),
     "health": ("workers.tools.health:main", "liveness probe: is a ROLE worker on this host heartbeating?"),
     "redis": ("workers.tools.redis_server:main", "run a private redis-server in the foreground and print its URL"),
+    "export": ("workers.tools.export:main", "write a trained step as a Hugging Face folder (a LoRA adapter merged)"),
     "init-model": ("workers.tools.init_model:main", "build a random-init tiny/small Qwen3 with a byte-level tokenizer"),
     "config": ("workers.tools.config_tool:main", "write the config reference, or convert a prime-rl config"),
 }

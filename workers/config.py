@@ -42,6 +42,32 @@ class RunConfig(Section):
     """Training steps to run; None runs until stopped."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear projection of a Qwen/Llama decoder layer."""
+
+
+class LoraConfig(Section):
+    name: str | None = None
+    """Adapter name (vLLM's ``lora_name``: a request for policy version ``s`` asks for model ``{name}-step{s}``);
+    None = derived from rank and alpha (``r8-a16``)."""
+
+    rank: int = Field(8, ge=1)
+    """LoRA rank ``r``."""
+
+    alpha: float = Field(16.0, ge=0)
+    """LoRA alpha (the update is scaled by ``alpha / rank``)."""
+
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training."""
+
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """Module names (last component) that get an adapter."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or f"r{self.rank}-a{self.alpha:g}"
+
+
 class ModelConfig(Section):
     path: str = "outputs/models/tiny"
     """Local Hugging Face folder (or hub name where a hub is reachable). ``rlbus run`` creates the tiny preset here if missing."""
@@ -51,6 +77,11 @@ class ModelConfig(Section):
 
     init_preset: Literal["tiny", "small"] | None = "tiny"
     """When ``path`` does not exist, ``rlbus run`` builds a random-init model of this preset there; None: fail instead."""
+
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of every weight (``[model.lora]``, or ``--model.lora.rank 8``): the trainer
+    trains, checkpoints and publishes only the adapter; inference servers apply it over ``path``. None: full
+    fine-tuning."""
 
 
 class TeacherConfig(Section):
@@ -320,6 +351,18 @@ class RlbusConfig(Section):
                                  f"{previous.name!r} broadcasts its weights (trainer.weight_transport = "
                                  f"{previous.config.trainer.weight_transport!r}) and writes no weights folder; set it "
                                  "to \"safetensors\" there, or give this stage a model.path")
+        for previous, stage in zip(self.stage, self.stage[1:], strict=False):
+            if stage.from_previous and previous.config.model.lora is not None:
+                raise ValueError(f"stage {stage.name!r} starts from stage {previous.name!r}'s last weights, but "
+                                 f"{previous.name!r} trains a LoRA adapter (its weights folders hold only the "
+                                 "adapter); give this stage a model.path made with `rlbus export` of that stage")
+        if self.model.lora is not None:
+            if self.trainer.weight_transport != "safetensors":
+                raise ValueError("model.lora publishes adapter files (a few MB) to the shared folder; set "
+                                 "trainer.weight_transport = \"safetensors\"")
+            if self.trainer.kl_penalty_reference_step is not None:
+                raise ValueError("model.lora with trainer.kl_penalty_reference_step: the weights folders hold "
+                                 "adapters, not models; unset it (the reference is then model.path)")
         ratios = [e.ratio for e in self.env]
         if any(r is None for r in ratios) and any(r is not None for r in ratios):
             raise ValueError("set ratio on every [[env]] or on none (got a mix of set and unset ratios)")

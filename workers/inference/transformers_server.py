@@ -20,6 +20,7 @@ from bus.log import get_logger
 from bus.policy import server_stopped
 from bus.weight_files import weights_root
 from trainer.broadcast import receive_weights
+from trainer.lora import load_adapter_into, read_adapter
 from trainer.model import resolve_dtype
 from trainer.weights import load_tensors_into, read_weights
 from workers.config import RlbusConfig
@@ -97,13 +98,19 @@ class InferenceServer:
     async def _apply_weights(self, event) -> None:
         """Load one update in place between two decode steps; responses after it carry its step."""
         model = self.engine.model
-        if event.format == "safetensors":
+        adapter = None
+        if event.adapter is not None:
+            adapter, tensors = await asyncio.to_thread(read_adapter, event.dir, "cpu")
+        elif event.format == "safetensors":
             tensors = await asyncio.to_thread(read_weights, event.dir, "cpu")
         else:
             tensors = await asyncio.to_thread(receive_weights, event, "cpu")
 
         def load() -> None:
-            load_tensors_into(model, tensors)
+            if adapter is not None:
+                load_adapter_into(model, adapter, tensors)
+            else:
+                load_tensors_into(model, tensors)
             self.engine.policy_version = event.step
 
         await asyncio.wrap_future(self.engine.call_between_steps(load))
