@@ -142,3 +142,18 @@ def test_passwords_are_redacted_in_dry_run_output(tmp_path):
     config = load_config([], [("redis.url", "redis://u:hunter2@h:1/0")])
     shown = dump_json(config)
     assert "hunter2" not in shown and "redis://u:***@h:1/0" in shown
+
+
+def test_lora_is_one_override_and_refuses_what_it_cannot_do(tmp_path):
+    config = load_config([], [("model.lora.rank", "4")])
+    assert config.model.lora.rank == 4 and config.model.lora.resolved_name == "r4-a16"
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank=0"):
+        load_config([], [("model.lora.rank", "0")])
+    with pytest.raises(ConfigError, match='weight_transport = "safetensors"'):
+        load_config([], [("model.lora.rank", "4"), ("trainer.weight_transport", "nccl")])
+    with pytest.raises(ConfigError, match="built-in server"):
+        load_config([], [("model.lora.rank", "4"), ("inference.backend", "vllm")])
+    staged = write(tmp_path / "staged.toml", '[[stage]]\nname = "a"\n[stage.model.lora]\nrank = 4\n'
+                                            '[[stage]]\nname = "b"\n')
+    with pytest.raises(ConfigError, match="rlbus export"):
+        load_config([staged])
