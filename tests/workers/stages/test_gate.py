@@ -24,6 +24,15 @@ def test_admits(served, trained, off, prefetch, eval_step, ok):
     assert admits(served, trained, off, prefetch, eval_step) is ok
 
 
+
+@pytest.mark.parametrize("served,trained,packed,ok", [
+    (4, 5, 6, True),    # the packer has not reached its limit (step 7): the next step, 7, keeps policy ≥ 4
+    (4, 5, 7, False),   # it built step 7 already: a group started now lands in step 8, which keeps policy ≥ 5
+    (5, 5, 7, True),
+])
+def test_admits_counts_the_steps_already_packed(served, trained, packed, ok):
+    assert admits(served, trained, 2, 1, packed=packed) is ok
+
 def test_gate_blocks_while_served_lags_and_releases_on_new_served(bus):
     async def main():
         async with bus("trainer", block_ms=50) as b:
