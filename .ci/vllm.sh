@@ -20,7 +20,8 @@ if [ ! -f "$STAMP" ]; then
     "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec triton
     # rlbus with its own dependencies (pip keeps vllm's torch/transformers/numpy: they satisfy rlbus's ranges),
     # plus what the test suite itself imports.
-    "$VENV/bin/pip" install -e . "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "peft>=0.13"
+    "$VENV/bin/pip" install -e . "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "peft>=0.13" \
+        "reasoning-gym>=0.1.20"
     "$VENV/bin/python" -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
     touch "$STAMP"
 fi
@@ -29,4 +30,5 @@ if [ "${1:-}" = "--build-only" ]; then
     exit 0
 fi
 
-"$VENV/bin/python" -m pytest -q -m vllm tests/workers/inference/test_vllm.py tests/workers/run/test_vllm_e2e.py
+"$VENV/bin/python" -m pytest -q -m vllm tests/workers/inference/test_vllm.py tests/workers/inference/test_vllm_lora.py \
+    tests/workers/run/test_vllm_e2e.py tests/workers/run/test_vllm_lora_e2e.py

@@ -360,9 +360,6 @@ class RlbusConfig(Section):
             if self.trainer.weight_transport != "safetensors":
                 raise ValueError("model.lora publishes adapter files (a few MB) to the shared folder; set "
                                  "trainer.weight_transport = \"safetensors\"")
-            if self.inference.backend == "vllm":
-                raise ValueError("model.lora with inference.backend = \"vllm\": rlbus does not load adapters into "
-                                 "vLLM yet; use the built-in server (inference.backend = \"transformers\")")
             if self.trainer.kl_penalty_reference_step is not None:
                 raise ValueError("model.lora with trainer.kl_penalty_reference_step: the weights folders hold "
                                  "adapters, not models; unset it (the reference is then model.path)")

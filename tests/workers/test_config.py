@@ -151,8 +151,6 @@ def test_lora_is_one_override_and_refuses_what_it_cannot_do(tmp_path):
         load_config([], [("model.lora.rank", "0")])
     with pytest.raises(ConfigError, match='weight_transport = "safetensors"'):
         load_config([], [("model.lora.rank", "4"), ("trainer.weight_transport", "nccl")])
-    with pytest.raises(ConfigError, match="built-in server"):
-        load_config([], [("model.lora.rank", "4"), ("inference.backend", "vllm")])
     staged = write(tmp_path / "staged.toml", '[[stage]]\nname = "a"\n[stage.model.lora]\nrank = 4\n'
                                             '[[stage]]\nname = "b"\n')
     with pytest.raises(ConfigError, match="rlbus export"):

@@ -8,6 +8,7 @@ retried with exponential backoff (on the next server after the first retry); oth
 import asyncio
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,8 @@ class InferenceClient:
 
     def __init__(self, base_urls: list[str], timeout_s: float = 300.0, max_retries: int = 3,
                  api_key_var: str | None = None, headers_from_env: dict[str, str] | None = None,
-                 backoff_s: float = 0.5, model: str | None = None):
+                 backoff_s: float = 0.5, model: str | None = None,
+                 adapter: Callable[[], tuple[int, str | None]] | None = None):
         if not base_urls:
             raise ConfigError("the inference client has no server: set inference.base_urls (or inference.servers)")
         self.base_urls = [u.rstrip("/") for u in base_urls]
@@ -61,6 +63,9 @@ class InferenceClient:
         self._session: aiohttp.ClientSession | None = None
         self.model = model
         """The model name sent with every request; None: each server's first ``/v1/models`` entry."""
+        self.adapter = adapter
+        """LoRA on vLLM: (policy version, its adapter's name, None for the base model) to ask for now; a completion
+        without a ``policy_version`` of its own is stamped with that version."""
         self._model_names: dict[int, str] = {}
 
     @classmethod
@@ -92,8 +97,9 @@ class InferenceClient:
         """Sample ``n`` completions of a token-id prompt; token ids and logprobs come back per choice. A sampling
         knob left None is not sent (the server's default applies)."""
         index = self.pick_server() if server_index is None else server_index
+        version, adapter = self.adapter() if self.adapter is not None else (None, None)
         body: dict[str, Any] = {
-            "model": await self._model_name(index), "prompt": list(prompt_token_ids), "n": n,
+            "model": adapter or await self._model_name(index), "prompt": list(prompt_token_ids), "n": n,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
             "reasoning_effort": reasoning_effort,
             "max_tokens": max_tokens, "stop": stop or None, "seed": seed, "return_token_ids": True,
@@ -103,6 +109,8 @@ class InferenceClient:
         # max_tokens stays even when None: null means "until EOS or the context limit" (absent means 16).
         sent = {k: v for k, v in body.items() if v is not None or k == "max_tokens"}
         data = await self.post("/completions", sent, index)
+        if version is not None and data.get("policy_version") is None:
+            data = {**data, "policy_version": version, "policy_version_end": version}
         return _parse_completion(data, prompt_token_ids)
 
     async def chat(self, messages: list[dict[str, str]], *, server_index: int | None = None,

@@ -39,6 +39,16 @@ from workers.stages.episode import AnswerRunner, ChatTokens, GroupRunner, chat_a
 from workers.stages.gate import StalenessGate
 
 
+def served_adapter(config: RlbusConfig, tracker: PolicyTracker):
+    """LoRA on vLLM (which serves every loaded version side by side): a request asks for the adapter of the
+    version every server serves, ``{name}-step{served}`` (the base model before the first update); None otherwise
+    (a server serves one version, and says which)."""
+    lora = config.model.lora
+    if lora is None or config.inference.backend != "vllm":
+        return None
+    return lambda: (tracker.served, f"{lora.resolved_name}-step{tracker.served}" if tracker.served else None)
+
+
 class RolloutWorker:
     """Rolls out tasks of every configured env (train and eval) until stopped."""
 
@@ -82,16 +92,16 @@ class RolloutWorker:
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.path)
         chat = ChatTokens(tokenizer)
         inf = cfg.inference
+        tracker = PolicyTracker(self.bus)
         client = self._client(cfg.inference_urls(), "inference.base_urls", timeout_s=inf.request_timeout_s,
                               max_retries=inf.max_retries, api_key_var=inf.api_key_var,
-                              headers_from_env=inf.headers_from_env)
+                              headers_from_env=inf.headers_from_env, adapter=served_adapter(cfg, tracker))
         teacher = None
         if any(e.mode == "opd" or (e.mode == "sft" and e.sft_source == "teacher") for e in self.envs.values()):
             t = cfg.teacher
             teacher = self._client(t.base_urls, "teacher.base_urls", timeout_s=t.request_timeout_s,
                                    max_retries=t.max_retries, api_key_var=t.api_key_var,
                                    headers_from_env=t.headers_from_env, model=t.model)
-        tracker = PolicyTracker(self.bus)
         self.gate = StalenessGate(tracker, cfg.packer.max_off_policy_steps, cfg.packer.prefetch,
                                   cfg.redis.block_ms)
         served = lambda: tracker.served  # noqa: E731
