@@ -127,7 +127,8 @@ class TrainerConfig(Section):
     inference_world_size: int | None = Field(None, ge=1)
     """nccl/gloo transport: receivers of each broadcast, one per inference server process (the seed's
     ``weight_broadcast.inference_world_size``); None = one per server URL (``inference.base_urls``, or
-    ``inference.servers`` local ones)."""
+    ``inference.servers`` local ones). With vLLM every worker process is a receiver: tensor parallel size ×
+    servers."""
 
     max_shard_mb: int = Field(256, ge=1)
     """Maximum size of one safetensors shard in MiB. Shards are written and hashed in parallel: on an H200,

@@ -9,8 +9,16 @@ Each safetensors update in ``weights`` becomes ``POST /pause?mode=keep``, ``POST
 tied LM head, which vLLM's CPU backend would otherwise keep serving with the old embedding.
 Sampled-token logprobs are vLLM's ``processed_logprobs`` (after temperature, like the built-in server and
 the trainer; with top-k/top-p/min-p vLLM renormalises over the kept tokens). vLLM responses carry no
-``policy_version``: clients read the served version from the ``policy`` stream. nccl/gloo broadcasts are
-not supported here.
+``policy_version``: clients read the served version from the ``policy`` stream.
+
+With ``trainer.weight_transport = "nccl"`` each broadcast event goes through the same pause / rpc / reset /
+resume, the rpc being ``{"method": "rlbus_receive_broadcast", "kwargs": {"event": EVENT, "timeout_s": ...}}``:
+inside each vLLM worker process :func:`trainer.broadcast.receive_weights` joins the trainer's group on the
+worker's device (gloo on CPU, NCCL on CUDA) and vLLM's layerwise reload loads the tensors in place
+(:mod:`workers.inference.vllm_weights`). Every vLLM worker process is one receiver, so
+``trainer.inference_world_size`` must be tensor parallel size × vLLM servers (the default, one per server URL,
+is right only at tensor parallel size 1, which is what vLLM's CPU backend runs here). Tested on CPU with gloo;
+the NCCL path on GPU is the same code, untested here.
 """
 
 import argparse
@@ -45,10 +53,27 @@ class VllmWorkerExtension:
         layerwise reload skips it; on CPU its GEMM runs on a copy packed at load time
         (``cpu_linear``), which must be rebuilt from the reloaded embedding.
         """
-        self.reload_weights(weights_path=weights_path)
-        head = getattr(self.model_runner.get_model(), "lm_head", None)
-        if head is not None and hasattr(head, "cpu_linear"):
-            head.quant_method.process_weights_after_loading(head)
+        from workers.inference.vllm_weights import reload_from_disk
+
+        reload_from_disk(self, weights_path)
+
+    def rlbus_receive_broadcast(self, event: dict, timeout_s: float = 300.0) -> dict:
+        """Join the trainer's broadcast of ``event`` (a ``WeightUpdate(format="nccl")`` as a dict) as one receiver
+        (gloo on CPU, NCCL on CUDA) and load the tensors in place, the tied head refreshed as above; returns the
+        receive/load timings (:func:`workers.inference.vllm_weights.receive_broadcast`)."""
+        from workers.inference.vllm_weights import receive_broadcast
+
+        return receive_broadcast(self, event, timeout_s)
+
+
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``--max-lora-rank`` values vLLM accepts."""
+
+
+def max_loras(config: RlbusConfig) -> int:
+    """Adapters vLLM keeps loaded: every version a request may still ask for (``max_off_policy_steps + 1``), plus
+    the one being loaded."""
+    return config.packer.max_off_policy_steps + 2
 
 
 def vllm_command(config: RlbusConfig, host: str, port: int) -> list[str]:
@@ -66,6 +91,9 @@ def vllm_command(config: RlbusConfig, host: str, port: int) -> list[str]:
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]
     if not any(a.split("=")[0] == "--logprobs-mode" for a in extra):
         cmd += ["--logprobs-mode", "processed_logprobs"]  # logprobs at the sampling temperature
+    if config.model.lora is not None:  # adapters loaded at runtime, one per version (load_adapter)
+        cmd += ["--enable-lora", "--max-loras", str(max_loras(config)),
+                "--max-lora-rank", str(min(r for r in VLLM_LORA_RANKS if r >= config.model.lora.rank))]
     if config.inference.device != "cuda" and "--no-enforce-eager" not in extra:
         cmd.append("--enforce-eager")  # CPU: compiling graphs costs minutes for no gain on small models
     return cmd + list(extra)
@@ -80,6 +108,8 @@ def vllm_env(config: RlbusConfig) -> dict[str, str]:
     env.setdefault("VLLM_CACHE_ROOT", str(Path(config.run.output_dir) / "vllm-cache"))
     if config.inference.num_threads:
         env.setdefault("OMP_NUM_THREADS", str(config.inference.num_threads))
+    if config.model.lora is not None:
+        env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter
     return env
 
 
@@ -87,9 +117,6 @@ class VllmServer:
     """A vLLM child process plus the weights follower that reloads it."""
 
     def __init__(self, config: RlbusConfig, host: str, port: int, server_id: str):
-        if config.trainer.weight_transport == "nccl":
-            raise ConfigError("inference.backend='vllm' reloads weights from safetensors only; set "
-                              "trainer.weight_transport='safetensors'")
         self.config = config
         self.url = f"http://{host}:{port}"
         self.cmd, self.env = vllm_command(config, host, port), vllm_env(config)
@@ -98,6 +125,8 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
         self.session: aiohttp.ClientSession | None = None
         self.bus = None
+        self.adapters: list[str] = []
+        """LoRA adapters loaded into vLLM, oldest first."""
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -125,8 +154,23 @@ class VllmServer:
         except aiohttp.ClientError:
             return False
 
+    async def load_adapter(self, event: WeightUpdate) -> None:
+        """A LoRA version: ``/v1/load_lora_adapter`` under the event's adapter name (requests for that version ask
+        for it by name, so the versions in flight keep being served), then unload the oldest beyond
+        :func:`max_loras`. Nothing is paused: loading an adapter does not touch what running requests use."""
+        if not Path(event.dir).is_dir():
+            raise FileNotFoundError(f"adapter dir {event.dir} is gone (pruned before this server read it)")
+        started = asyncio.get_running_loop().time()
+        await self._post("/v1/load_lora_adapter", {"lora_name": event.adapter, "lora_path": event.dir})
+        self.adapters.append(event.adapter)
+        while len(self.adapters) > max_loras(self.config):
+            await self._post("/v1/unload_lora_adapter", {"lora_name": self.adapters.pop(0)})
+        self.log.info("vllm_adapter_loaded", step=event.step, adapter=event.adapter, loaded=len(self.adapters),
+                      load_ms=round((asyncio.get_running_loop().time() - started) * 1000, 1))
+
     async def reload(self, event: WeightUpdate) -> None:
-        """Load a safetensors update into vLLM in place, keeping in-flight requests.
+        """Load a safetensors update, or an nccl/gloo broadcast joined by every vLLM worker, into vLLM in place,
+        keeping in-flight requests.
 
         ``/pause?mode=keep`` freezes the running requests (vLLM 0.32 also drops its cached blocks and preempts
         them, so they are recomputed with the new weights on ``/resume``), then the reload, a prefix-cache reset
@@ -135,17 +179,30 @@ class VllmServer:
         ~8). A reload without the pause (reload between two engine steps, then a reset that preempts the running
         requests) saved ~50 ms but showed two steps with a mismatch KL above 0.2 in three runs, so it is not used.
         """
-        if event.format != "safetensors":
-            raise ValueError(f"weights step {event.step} came as {event.format!r}; vLLM here reloads safetensors only")
-        if not Path(event.dir).is_dir():
-            raise FileNotFoundError(f"weights dir {event.dir} is gone (pruned before this server read it)")
+        if event.adapter is not None:
+            return await self.load_adapter(event)
+        if event.format == "safetensors":
+            if not Path(event.dir).is_dir():
+                raise FileNotFoundError(f"weights dir {event.dir} is gone (pruned before this server read it)")
+            await self._paused_rpc(event, {"method": "rlbus_reload_weights", "kwargs": {"weights_path": event.dir}})
+        elif event.format == "nccl":
+            # Every worker joins as one receiver; the HTTP call outlasts the broadcast's own timeout.
+            timeout_s = self.config.trainer.broadcast_timeout_s
+            await self._paused_rpc(event, {"method": "rlbus_receive_broadcast", "timeout": timeout_s + 60,
+                                           "kwargs": {"event": event.model_dump(mode="json"), "timeout_s": timeout_s}},
+                                   http_timeout_s=timeout_s + 120)
+        else:
+            raise ValueError(f"weights step {event.step} came as {event.format!r}; vLLM here loads safetensors or "
+                             "an nccl/gloo broadcast")
+
+    async def _paused_rpc(self, event: WeightUpdate, rpc: dict, http_timeout_s: float | None = None) -> None:
+        """Pause (keep), ``/collective_rpc`` ``rpc``, reset the prefix cache, resume; timed in ``vllm_reload``."""
         clock = asyncio.get_running_loop().time
         times = [clock()]
         paused = await self._post("/pause?mode=keep", None, allow_missing=True) is not None
         times.append(clock())
         try:
-            await self._post("/collective_rpc",
-                             {"method": "rlbus_reload_weights", "kwargs": {"weights_path": event.dir}})
+            answer = await self._post("/collective_rpc", rpc, timeout_s=http_timeout_s)
             times.append(clock())
             reset = await self._post("/reset_prefix_cache", None)
             times.append(clock())
@@ -157,11 +214,19 @@ class VllmServer:
             raise RuntimeError(f"vLLM could not reset its prefix cache after loading step {event.step}; its cached "
                                "blocks still hold the old weights' keys and values")
         ms = [round((b - a) * 1000, 1) for a, b in zip(times, times[1:], strict=False)]
-        self.log.info("vllm_reload", step=event.step, pause_ms=ms[0], rpc_ms=ms[1], reset_ms=ms[2], resume_ms=ms[3])
+        workers = [r for r in answer.get("results", []) if isinstance(r, dict)]
+        extra = {} if not workers else {  # broadcast: the slowest worker's receive and load
+            "workers": len(workers), "receive_ms": max(r.get("receive_ms", 0) for r in workers),
+            "load_ms": max(r.get("load_ms", 0) for r in workers), "bytes": workers[0].get("bytes")}
+        self.log.info("vllm_reload", step=event.step, format=event.format, pause_ms=ms[0], rpc_ms=ms[1],
+                      reset_ms=ms[2], resume_ms=ms[3], **extra)
 
-    async def _post(self, path: str, body: dict | None, allow_missing: bool = False) -> dict | None:
-        """POST to vLLM; its JSON answer ({} if none), or None for a 404 when ``allow_missing``."""
-        async with self.session.post(self.url + path, json=body) as r:
+    async def _post(self, path: str, body: dict | None, allow_missing: bool = False,
+                    timeout_s: float | None = None) -> dict | None:
+        """POST to vLLM; its JSON answer ({} if none), or None for a 404 when ``allow_missing``. ``timeout_s``
+        replaces the session's 120 s limit for this request."""
+        extra = {} if timeout_s is None else {"timeout": aiohttp.ClientTimeout(total=timeout_s)}
+        async with self.session.post(self.url + path, json=body, **extra) as r:
             if r.status == 404 and allow_missing:
                 return None
             if r.status >= 400:

@@ -151,3 +151,52 @@ def test_weights_event_reloads_vllm_and_publishes_served(server, model, bus, run
     # Every weight, the tied LM head included, must be the new one (a stale head gave a gap of ~1.4).
     assert gap < LOGPROB_TOL
 
+
+
+def test_gloo_broadcast_reaches_vllm_workers_and_publishes_served(server, model, bus, run, out_dir):
+    """A ``WeightBroadcaster`` (gloo, CPU) sends a changed state dict; vLLM's worker joins as the one receiver."""
+    from trainer.broadcast import WeightBroadcaster
+
+    torch.manual_seed(2)
+    new = type(model)(model.config).eval()
+    with torch.no_grad():
+        for p_new, p_old in zip(new.parameters(), model.parameters(), strict=True):
+            p_new.copy_(p_old + torch.randn_like(p_old) * 0.05)
+    state = new.state_dict()
+    sender = WeightBroadcaster("127.0.0.1", free_port(), receivers=1, device=torch.device("cpu"), timeout_s=60)
+
+    async def go(step: int):
+        async with bus("trainer-probe", run=run) as b:
+            tracker = PolicyTracker(b)
+            await tracker.refresh()
+            served_before = tracker.served_by.get(SERVER_ID, 0)
+            event = sender.event(step, state)
+            start = time.monotonic()
+            await b.publish(b.keys.weights(), event)
+            await asyncio.to_thread(sender.broadcast, event, state)  # returns once the receiver has every tensor
+            broadcast_s = time.monotonic() - start
+            await tracker.wait(lambda t: t.served_by.get(SERVER_ID, 0) >= step, timeout_s=60)
+            return served_before, broadcast_s, time.monotonic() - start
+
+    step = 2  # after the safetensors test's step 1; any step above the served one works alone too
+    before = _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+    served_before, broadcast_s, served_s = asyncio.run(go(step))
+    assert served_before < step
+    after = _complete(server, n=2, temperature=1.0, max_tokens=12, seed=3, extra_body={"ignore_eos": True})
+    greedy = _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+    gap = _max_gap(new, after, 1.0)
+    greedy_gap = _max_gap(new, greedy, 1.0)
+    # Greedy tokens are the fp32 model's argmax up to bf16: each chosen token's fp32 logprob is within the
+    # tolerance of the best one.
+    with torch.no_grad():
+        ids = greedy.prompt_token_ids + greedy.choices[0].token_ids
+        lp = torch.log_softmax(new(torch.tensor([ids])).logits[0].float(), dim=-1)
+    n_prompt = len(greedy.prompt_token_ids)
+    argmax_gap = max((lp[t - 1].max() - lp[t - 1, ids[t]]).item() for t in range(n_prompt, len(ids)))
+    reloads = [line for line in (out_dir / "vllm.log").read_text().splitlines()
+               if "vllm_reload" in line and "nccl" in line]
+    print(f"\nbroadcast_s={broadcast_s * 1000:.0f}ms event_to_served_ms={served_s * 1000:.0f} "
+          f"logprob_max_abs_diff_after_broadcast={gap:.4f} greedy_logprob_gap={greedy_gap:.4f} "
+          f"greedy_argmax_gap={argmax_gap:.4f}\n{reloads[-1] if reloads else 'no vllm_reload line'}")
+    assert greedy.choices[0].token_ids != before.choices[0].token_ids
+    assert gap < LOGPROB_TOL and greedy_gap < LOGPROB_TOL and argmax_gap < LOGPROB_TOL

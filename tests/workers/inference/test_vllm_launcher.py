@@ -68,3 +68,45 @@ def test_reload_pauses_reloads_resets_and_resumes_and_a_failed_reset_is_an_error
     rpc_call = ("/collective_rpc", {"method": "rlbus_reload_weights", "kwargs": {"weights_path": str(tmp_path)}})
     once = [("/pause?mode=keep", None), rpc_call, ("/reset_prefix_cache", None), ("/resume", None)]
     assert calls == once + once
+
+
+def test_a_broadcast_event_is_joined_through_the_worker_extension_between_pause_and_resume(tmp_path):
+    """An nccl/gloo event takes the same pause / rpc / reset / resume path, the rpc being the extension's
+    ``rlbus_receive_broadcast`` with the event as JSON and the trainer's broadcast timeout."""
+    from bus.messages import WeightTensor
+
+    calls = []
+
+    async def handle(request):
+        body = await request.json() if request.path == "/collective_rpc" else None
+        calls.append((request.path_qs, body))
+        return web.json_response({"results": [{"receive_ms": 5.0, "load_ms": 2.0, "bytes": 8}]}
+                                 if body else {"success": True})
+
+    async def main():
+        app = web.Application()
+        for path in ("/collective_rpc", "/reset_prefix_cache", "/pause", "/resume"):
+            app.router.add_post(path, handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        config = RlbusConfig.model_validate({"model": {"path": "/m"}, "run": {"output_dir": str(tmp_path)},
+                                             "trainer": {"weight_transport": "nccl", "broadcast_timeout_s": 42}})
+        server = VllmServer(config, "127.0.0.1", port, "vllm-0")  # nccl is accepted now
+        server.session = aiohttp.ClientSession()
+        event = WeightUpdate(step=4, format="nccl", host="127.0.0.1", port=1234, world_size=2,
+                             tensors=[WeightTensor(name="w", dtype="float32", shape=[2])])
+        try:
+            await server.reload(event)
+        finally:
+            await server.session.close()
+            await runner.cleanup()
+        return event
+
+    event = asyncio.run(main())
+    assert [c[0] for c in calls] == ["/pause?mode=keep", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    rpc = calls[1][1]
+    assert rpc["method"] == "rlbus_receive_broadcast" and rpc["kwargs"]["timeout_s"] == 42
+    assert WeightUpdate.model_validate(rpc["kwargs"]["event"]) == event
