@@ -17,6 +17,9 @@ from redis.exceptions import RedisError
 
 from bus.resp import as_str
 
+STOP_TIMEOUT_S = 5.0
+"""A stopping worker waits at most this long for its heartbeat to end and leave the set."""
+
 WORKER_FORGET_S = 3600.0
 """Heartbeats older than this are removed (by any worker's next beat), so restarts do not grow the set forever."""
 
@@ -82,6 +85,7 @@ class WorkerHeartbeat:
         self.member = member(worker)
         self.log = log
         self._task: asyncio.Task | None = None
+        self._stop = asyncio.Event()
 
     async def beat(self) -> None:
         await self.redis.eval(_BEAT_LUA, 1, self.key, self.member, int(WORKER_FORGET_S * 1000))
@@ -90,18 +94,23 @@ class WorkerHeartbeat:
         self._task = asyncio.create_task(self._renew())
 
     async def _renew(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 await self.beat()
             except (RedisError, OSError) as e:  # Redis away: the heartbeat goes stale, and the probe says so
-                self.log.warning("heartbeat_failed", error=str(e))
-            await asyncio.sleep(self.every_s)
+                if not self._stop.is_set():
+                    self.log.warning("heartbeat_failed", error=str(e))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.every_s)
 
     async def stop(self) -> None:
-        """Stop renewing and leave the set at once (best effort: else its age says it is gone)."""
+        """Stop renewing and leave the set at once (best effort: else its age says it is gone).
+
+        The loop also ends on the stop flag: a cancellation that lands inside a Redis call can come back as a
+        timeout error (redis-py), which the loop would otherwise take for Redis being away and go on."""
+        self._stop.set()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        with contextlib.suppress(RedisError, OSError):
-            await self.redis.zrem(self.key, self.member)
+            await asyncio.wait({self._task}, timeout=STOP_TIMEOUT_S)
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(self.redis.zrem(self.key, self.member), STOP_TIMEOUT_S)

@@ -21,9 +21,9 @@ except Exception as e:  # ImportError, or a broken CUDA build of a vLLM dependen
 from bus.local_redis import free_port
 from bus.messages import WeightUpdate
 from bus.policy import PolicyTracker
+from tests.workers.inference.vllm_server import run_name, vllm_server
 from trainer.weights import save_weights, weights_dir
 from workers.inference.client import InferenceClient
-from workers.inference.process import InferenceProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -35,7 +35,7 @@ LOGPROB_TOL = 0.1
 
 @pytest.fixture(scope="module")
 def run(redis_server) -> str:
-    return f"t-vllm-{int(time.time() * 1000) % 10**8}"
+    return run_name("t-vllm")
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +45,9 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, redis_server, run, out_dir):
-    config = out_dir / "cfg.toml"
-    config.write_text(
-        f'[run]\nname = "{run}"\noutput_dir = "{out_dir}"\n[redis]\nurl = "{redis_server}"\nblock_ms = 200\n'
-        f'[model]\npath = "{tiny_model_dir}"\n'
-        '[inference]\nbackend = "vllm"\nnum_threads = 1\nmax_model_len = 512\nmax_batch_size = 16\n'
-    )
-    proc = InferenceProcess(config, free_port(), SERVER_ID, log_path=out_dir / "vllm.log")
-    start = time.monotonic()
-    proc.start(timeout_s=300)  # not `with proc.start()`: entering the context would start a second server
-    try:
-        print(f"\nvllm_startup_s={time.monotonic() - start:.1f}")
+    with vllm_server(out_dir, SERVER_ID, f'[run]\nname = "{run}"\noutput_dir = "{out_dir}"\n[redis]\nurl = '
+                     f'"{redis_server}"\nblock_ms = 200\n[model]\npath = "{tiny_model_dir}"\n') as proc:
         yield proc
-    finally:
-        proc.stop(timeout_s=60)
 
 
 @pytest.fixture(scope="module")

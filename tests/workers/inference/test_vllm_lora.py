@@ -4,7 +4,6 @@ a request naming it gets the merged model's completion, the base model stays ser
 Runs in the vLLM venv (``bash .ci/vllm.sh``); vLLM starts once for the module (~40 s on CPU)."""
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -15,14 +14,13 @@ except Exception as e:  # ImportError, or a broken CUDA build of a vLLM dependen
     pytest.skip(f"vllm is not importable ({type(e).__name__}: {e}); run with the vLLM venv (bash .ci/vllm.sh)",
                 allow_module_level=True)
 
-from bus.local_redis import free_port
 from bus.messages import WeightUpdate
 from bus.policy import PolicyTracker
+from tests.workers.inference.vllm_server import run_name, vllm_server
 from trainer.lora import adapter_tensors, inject, merged_model, peft_config, save_adapter
 from trainer.model import load_model
 from trainer.weights import weights_dir
 from workers.inference.client import InferenceClient
-from workers.inference.process import InferenceProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -35,7 +33,7 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 @pytest.fixture(scope="module")
 def run() -> str:
-    return f"t-vllm-lora-{int(time.time() * 1000) % 10**8}"
+    return run_name("t-vllm-lora")
 
 
 @pytest.fixture(scope="module")
@@ -45,19 +43,11 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, redis_server, run, out_dir):
-    config = out_dir / "cfg.toml"
-    config.write_text(
-        f'[run]\nname = "{run}"\noutput_dir = "{out_dir}"\n[redis]\nurl = "{redis_server}"\nblock_ms = 200\n'
-        f'[model]\npath = "{tiny_model_dir}"\n[model.lora]\nrank = 4\nalpha = 8\ntarget_modules = {TARGETS}\n'
-        '[packer]\nmax_off_policy_steps = 1\n'
-        '[inference]\nbackend = "vllm"\nnum_threads = 1\nmax_model_len = 512\nmax_batch_size = 16\n'
-    )
-    proc = InferenceProcess(config, free_port(), SERVER_ID, log_path=out_dir / "vllm.log")
-    proc.start(timeout_s=300)
-    try:
+    with vllm_server(out_dir, SERVER_ID,
+                     f'[run]\nname = "{run}"\noutput_dir = "{out_dir}"\n[redis]\nurl = "{redis_server}"\n'
+                     f'block_ms = 200\n[model]\npath = "{tiny_model_dir}"\n[model.lora]\nrank = 4\nalpha = 8\n'
+                     f'target_modules = {TARGETS}\n[packer]\nmax_off_policy_steps = 1\n') as proc:
         yield proc
-    finally:
-        proc.stop(timeout_s=60)
 
 
 def adapter_step(model_dir, out_dir, step: int):
