@@ -15,6 +15,7 @@ import random
 import shutil
 import signal
 import subprocess
+import uuid
 from pathlib import Path
 
 
@@ -33,7 +34,7 @@ def _ip(*args: str) -> None:
 
 class SimulatedHosts:
     def __init__(self, names: list[str]):
-        tag = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
+        tag = uuid.uuid4().hex[:6]
         self.names = names
         self.netns = {name: f"rlb{tag}-{name}" for name in names}
         self.switch = f"rlb{tag}-switch"
@@ -41,6 +42,8 @@ class SimulatedHosts:
         """The switch-side end of each host's link (interface names have at most 15 characters)."""
         self.subnet = f"10.{random.randrange(64, 250)}.{random.randrange(1, 250)}"
         self.procs: list[subprocess.Popen] = []
+        self.made: list[str] = []
+        """The namespaces this harness created (only these are cleaned up)."""
 
     def address(self, name: str) -> str:
         return f"{self.subnet}.{self.names.index(name) + 1}"
@@ -48,11 +51,13 @@ class SimulatedHosts:
     def start(self) -> "SimulatedHosts":
         try:
             _ip("netns", "add", self.switch)
+            self.made.append(self.switch)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.switch, "link", "set", "br0", "up")
             for name in self.names:
                 ns, link = self.netns[name], self.links[name]
                 _ip("netns", "add", ns)
+                self.made.append(ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", self.switch, "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
                 _ip("-n", self.switch, "link", "set", link, "master", "br0", "up")
@@ -88,6 +93,8 @@ class SimulatedHosts:
 
     def stop(self) -> None:
         for name in self.names:
+            if self.netns[name] not in self.made:
+                continue
             for pid in self.pids(name):
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -98,5 +105,5 @@ class SimulatedHosts:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        for ns in [*self.netns.values(), self.switch]:
+        for ns in self.made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -117,6 +117,7 @@ def load_adapter_into(model: nn.Module, config, tensors: Mapping[str, Tensor]) -
     if not has_adapter(model):
         inject(model, config)
         model.requires_grad_(False)
+        model.eval()  # the injected modules (dropout) start in training mode
     params = dict(model.named_parameters())
     names = {from_peft_key(n): t for n, t in tensors.items()}
     missing = {n for n in params if is_adapter_key(n)} - set(names)

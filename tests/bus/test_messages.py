@@ -174,7 +174,7 @@ def assert_same(a, b) -> None:
 
 def round_trip(message):
     fields = message.to_fields()
-    assert fields["kind"] == message.KIND and fields["v"] == str(message.V)
+    assert fields["kind"] == message.KIND and 1 <= int(fields["v"]) <= message.V
     back = decode(as_redis(fields))
     assert_same(message, back)
     assert_same(message, type(message).from_fields(as_redis(fields)))
@@ -354,3 +354,14 @@ def test_each_sample_knows_its_task_and_its_place_in_the_group_through_filtering
     stranger = Sample(prompt_ids=[1], completion_ids=[2], completion_logprobs=[-1.0], loss_mask=[True], task_id="x")
     with pytest.raises(ValueError, match="a sample of task 'x' in the group of task 'e:0:7'"):
         RolloutGroup(task_id="e:0:7", env="e", example_id="7", samples=[stranger])
+
+
+def test_a_weight_update_is_v2_only_when_it_carries_an_adapter():
+    from bus.arrays import unpackb
+    from bus.messages import WeightUpdate, decode
+
+    whole = WeightUpdate(step=3, format="safetensors", dir="/w/step_3").to_fields()
+    assert whole["v"] == "1" and "adapter" not in unpackb(whole["data"])  # a v1 reader takes it
+    assert decode(whole).adapter is None
+    lora = WeightUpdate(step=3, format="safetensors", dir="/w/step_3", adapter="r8-a16-step3").to_fields()
+    assert lora["v"] == "2" and lora["adapter"] == "r8-a16-step3" and decode(lora).adapter == "r8-a16-step3"

@@ -71,9 +71,9 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def max_loras(config: RlbusConfig) -> int:
-    """Adapters vLLM keeps loaded: every version a request may still ask for (``max_off_policy_steps + 1``), plus
-    the one being loaded."""
-    return config.packer.max_off_policy_steps + 2
+    """Adapters vLLM keeps loaded: every version a request may still ask for (the oldest served version can be
+    ``max_off_policy_steps + prefetch`` behind the newest), plus the one being loaded."""
+    return config.packer.max_off_policy_steps + config.packer.prefetch + 2
 
 
 def vllm_command(config: RlbusConfig, host: str, port: int) -> list[str]:
@@ -92,6 +92,9 @@ def vllm_command(config: RlbusConfig, host: str, port: int) -> list[str]:
     if not any(a.split("=")[0] == "--logprobs-mode" for a in extra):
         cmd += ["--logprobs-mode", "processed_logprobs"]  # logprobs at the sampling temperature
     if config.model.lora is not None:  # adapters loaded at runtime, one per version (load_adapter)
+        if config.model.lora.rank > VLLM_LORA_RANKS[-1]:
+            raise ConfigError(f"model.lora.rank={config.model.lora.rank}: vLLM serves ranks up to "
+                              f"{VLLM_LORA_RANKS[-1]}; lower it or use the built-in server")
         cmd += ["--enable-lora", "--max-loras", str(max_loras(config)),
                 "--max-lora-rank", str(min(r for r in VLLM_LORA_RANKS if r >= config.model.lora.rank))]
     if config.inference.device != "cuda" and "--no-enforce-eager" not in extra:
@@ -245,7 +248,8 @@ class VllmServer:
         self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
         follower = WeightsFollower(self.bus, self.server_id, self.reload, weights_root(self.config.run.output_dir),
                                    block_ms=self.config.redis.block_ms,
-                                   wait_for_weights_s=self.config.ckpt.wait_for_weights_timeout)
+                                   wait_for_weights_s=self.config.ckpt.wait_for_weights_timeout,
+                                   keep_adapters=max_loras(self.config))
         await follower.start()
         await follower.run()
 

@@ -3,8 +3,9 @@
 Shared by the built-in server and the vLLM launcher; they differ only in ``apply``. At startup the
 newest event is applied if it is a safetensors update newer than the loaded weights (a finished
 nccl/gloo broadcast cannot be joined late), then ``served`` is published once. While running,
-every nccl event is joined in order (the trainer waits for all receivers); runs of safetensors events
-collapse to the newest.
+every nccl event is joined in order (the trainer waits for all receivers); runs of whole-weights safetensors
+events collapse to the newest, while every LoRA adapter event is loaded (vLLM serves the versions in flight side by
+side; at startup the newest ``keep_adapters`` are loaded).
 
 Eval hold: while the run's state field ``eval:hold`` (:data:`bus.state.EVAL_HOLD_FIELD`) is set,
 no safetensors update with ``step > hold`` is served: the follower stops reading at the first such
@@ -36,7 +37,7 @@ class WeightsFollower:
     """Reads ``weights`` (fan-out, no group) and keeps ``served`` on ``policy`` up to date."""
 
     def __init__(self, bus: Bus, server_id: str, apply: Apply, weights_root: Path | str, step: int = 0,
-                 block_ms: int = 1000, wait_for_weights_s: float | None = None):
+                 block_ms: int = 1000, wait_for_weights_s: float | None = None, keep_adapters: int = 1):
         self.bus = bus
         self.server_id = server_id
         self.apply = apply
@@ -47,6 +48,8 @@ class WeightsFollower:
         """Only safetensors directories under this root whose files match their event are loaded."""
         self.wait_for_weights_s = wait_for_weights_s
         """How long an incomplete directory is waited for (``ckpt.wait_for_weights_timeout``); None: not at all."""
+        self.keep_adapters = keep_adapters
+        """LoRA: at startup, load this many of the newest adapter versions (vLLM serves them side by side)."""
         self.last_id = "0"
         self.log = get_logger(worker="inference", server=server_id, run=bus.keys.run)
 
@@ -56,6 +59,9 @@ class WeightsFollower:
         if newest is not None:
             self.last_id, event = newest
             if isinstance(event, WeightUpdate) and event.step > self.step:
+                if event.adapter is not None:
+                    for older in await self._adapters_before(self.last_id, event.step):
+                        await self._load(older)
                 if event.format == "safetensors":
                     await self._load(event)
                 else:
@@ -92,6 +98,23 @@ class WeightsFollower:
                 # Held: XREAD BLOCK returns at once while the held event is unread, so wait here instead.
                 self.log.debug("weights_held", hold=hold, served=self.step)
                 await asyncio.sleep(self.block_ms / 1000)
+
+    async def _adapters_before(self, entry_id: str, step: int) -> list[WeightUpdate]:
+        """Up to ``keep_adapters - 1`` adapter events older than ``step``, at or before ``entry_id``, oldest first."""
+        if self.keep_adapters <= 1:
+            return []
+        rows = await self.bus.redis.xrevrange(self.bus.keys.weights(), max=entry_id, count=4 * self.keep_adapters)
+        found: list[WeightUpdate] = []
+        for _, fields in rows:
+            try:
+                message = decode(fields)
+            except DecodeError:
+                continue
+            if isinstance(message, WeightUpdate) and message.adapter is not None and self.step < message.step < step:
+                found.append(message)
+            if len(found) == self.keep_adapters - 1:
+                break
+        return found[::-1]
 
     async def _hold(self) -> int | None:
         value = await self.bus.state_get(EVAL_HOLD_FIELD)
@@ -153,11 +176,17 @@ def _held(event: WeightUpdate, hold: int | None) -> bool:
     return hold is not None and event.format == "safetensors" and event.step > hold
 
 
+def _whole(event: WeightUpdate) -> bool:
+    """A safetensors update of whole weights (a newer one makes it useless)."""
+    return event.format == "safetensors" and event.adapter is None
+
+
 def _collapse(events: list[WeightUpdate]) -> list[WeightUpdate]:
-    """Keep every nccl event; of consecutive safetensors events keep only the newest."""
+    """Keep every nccl and LoRA adapter event (a server serving adapters side by side needs every version); of
+    consecutive whole-weights safetensors events keep only the newest."""
     out: list[WeightUpdate] = []
     for event in events:
-        if out and event.format == "safetensors" and out[-1].format == "safetensors":
+        if out and _whole(event) and _whole(out[-1]):
             out[-1] = event
         else:
             out.append(event)

@@ -40,11 +40,12 @@ from workers.stages.gate import StalenessGate
 
 
 def served_adapter(config: RlbusConfig, tracker: PolicyTracker):
-    """LoRA on vLLM (which serves every loaded version side by side): a request asks for the adapter of the
-    version every server serves, ``{name}-step{served}`` (the base model before the first update); None otherwise
-    (a server serves one version, and says which)."""
+    """LoRA: a request asks for the adapter of the version every server serves, ``{name}-step{served}`` (the base
+    model before the first update), which vLLM serves side by side with the other loaded versions; the built-in
+    server ignores the name and stamps the version it served. (Not keyed on ``inference.backend``: that flag is
+    often given to the inference processes only.) None without LoRA."""
     lora = config.model.lora
-    if lora is None or config.inference.backend != "vllm":
+    if lora is None:
         return None
     return lambda: (tracker.served, f"{lora.resolved_name}-step{tracker.served}" if tracker.served else None)
 

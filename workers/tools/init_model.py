@@ -146,6 +146,9 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     if args.if_missing and (Path(args.out) / "config.json").exists():
         print(f"model_present path={args.out}")
         return 0
+    if args.if_missing and config is not None and config.model.init_preset is None:
+        raise ConfigError(f"model.path={args.out!r} holds no model (no config.json) and model.init_preset is unset, "
+                          "so none is built; put the model there or set model.init_preset")
     out = build_model(args.out, preset=args.preset, seed=args.seed, replace=not args.if_missing)
     print(f"model_written path={out} preset={args.preset} seed={args.seed}")
     return 0

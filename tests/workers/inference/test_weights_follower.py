@@ -127,3 +127,15 @@ def test_a_directory_still_being_written_is_waited_for_with_wait_for_weights_tim
             assert loaded and applied == [1]
 
     asyncio.run(main())
+
+
+def test_adapter_updates_are_never_collapsed():
+    def whole(step):
+        return WeightUpdate(step=step, format="safetensors", dir=f"/w/step_{step}")
+
+    def adapter(step):
+        return WeightUpdate(step=step, format="safetensors", dir=f"/w/step_{step}", adapter=f"r8-a16-step{step}")
+
+    # vLLM serves LoRA versions side by side: a request may name any of them, so each one is loaded
+    assert [e.step for e in _collapse([adapter(1), adapter(2), adapter(3)])] == [1, 2, 3]
+    assert [e.step for e in _collapse([whole(1), whole(2), whole(3)])] == [3]
