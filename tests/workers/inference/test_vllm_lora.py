@@ -87,7 +87,7 @@ def test_each_version_is_served_under_its_adapter_name(server, tiny_model_dir, o
     from transformers import AutoModelForCausalLM
 
     base_tokens, _ = reference(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
-    events = [adapter_step(tiny_model_dir, out_dir, step) for step in (1, 2, 3, 4)]
+    events = [adapter_step(tiny_model_dir, out_dir, step) for step in (1, 2, 3, 4, 5)]
 
     async def publish(event):
         async with bus("trainer-probe", run=run) as b:
@@ -103,9 +103,9 @@ def test_each_version_is_served_under_its_adapter_name(server, tiny_model_dir, o
     assert max(gaps) < LOGPROB_TOL, gaps
     assert greedy(server, None).choices[0].token_ids[:4] == base_tokens[:4]  # the base model is still served
 
-    for event in events[1:]:  # max_loras = max_off_policy_steps + 2 = 3: version 1 is unloaded by version 4
+    for event in events[1:]:  # max_loras = max_off_policy_steps + prefetch + 2 = 4: version 5 unloads version 1
         asyncio.run(publish(event))
-    assert greedy(server, "r4-a8-step4").choices
+    assert greedy(server, "r4-a8-step5").choices
     assert greedy(server, "r4-a8-step2").choices  # still loaded: in flight requests may ask for it
     with pytest.raises(Exception, match="404|400|not found|does not exist"):
         greedy(server, "r4-a8-step1")
