@@ -434,12 +434,9 @@ class WeightUpdate(Message):
 
     def to_fields(self) -> dict[str, bytes | str]:
         """An update without an adapter is written as v1 (no ``adapter`` field), which older readers still take."""
-        if self.adapter is not None:
-            return super().to_fields()
-        fields = {"kind": self.KIND, "v": "1"}
-        fields.update((name, _header_text(getattr(self, name))) for name in self.HEADER
-                      if getattr(self, name) is not None)
-        fields["data"] = packb({k: v for k, v in _plain(self).items() if k != "adapter"})
+        fields = super().to_fields()
+        if self.adapter is None:
+            fields["v"], fields["data"] = "1", packb({k: v for k, v in _plain(self).items() if k != "adapter"})
         return fields
 
 
