@@ -61,21 +61,26 @@ MISMATCH_KL_ON_POLICY_MAX = 1e-3
 """Bound on ``mismatch_kl`` where it is reported (measured ≈ 2e-6: vLLM bfloat16 against the trainer's float32)."""
 
 
+def finished_run(out, model_dir, steps: int, timeout_s: float, *overrides: str) -> tuple[dict, list[dict]]:
+    """`rlbus run` of the CPU default on vLLM for ``steps`` steps: it stops at max_steps with its books balanced;
+    (summary, metrics rows)."""
+    proc = start_run(out, model_dir, "--run.max_steps", str(steps), "--inference.backend", "vllm", *overrides)
+    assert wait_exit(proc, out, timeout_s) == 0, stdout_of(out)[-4000:]
+    s = summary(out)
+    assert s["steps_trained"] == steps and s["stopped_because"] == "max_steps", s
+    assert_counts_add_up(s["groups"])
+    return s, metric_rows(out)
+
+
 @pytest.mark.timeout(600)
 def test_default_job_with_vllm_learns_stays_fresh_and_reports_mismatch(tmp_path, tiny_model_dir):
     out = tmp_path / "vllm-default"
     started = time.monotonic()
-    proc = start_run(out, tiny_model_dir, "--run.max_steps", str(STEPS), "--inference.backend", "vllm")
-    assert wait_exit(proc, out, 540) == 0, stdout_of(out)[-4000:]
-    wall_s = time.monotonic() - started
-
-    s = summary(out)
-    assert s["steps_trained"] == STEPS and s["stopped_because"] == "max_steps", s
+    s, rows = finished_run(out, tiny_model_dir, STEPS, 540)
     groups = s["groups"]
-    assert_counts_add_up(groups)
+    wall_s = time.monotonic() - started
     stale_fraction = groups["stale"] / groups["produced"]
 
-    rows = metric_rows(out)
     rewards = {r["step"]: r["packer/reward_mean"] for r in rows if "packer/reward_mean" in r}
     steps = sorted(rewards)
     first = sum(rewards[k] for k in steps[:5]) / 5
@@ -113,17 +118,10 @@ def test_default_job_with_vllm_over_the_gloo_broadcast(tmp_path, tiny_model_dir)
 
     out = tmp_path / "vllm-nccl"
     started = time.monotonic()
-    proc = start_run(out, tiny_model_dir, "--run.max_steps", str(NCCL_STEPS), "--inference.backend", "vllm",
-                     "--trainer.weight_transport", "nccl", "--trainer.nccl_port", str(free_port()),
-                     "--trainer.broadcast_timeout_s", "120")
-    assert wait_exit(proc, out, 240) == 0, stdout_of(out)[-4000:]
-    wall_s = time.monotonic() - started
-
-    s = summary(out)
-    assert s["steps_trained"] == NCCL_STEPS and s["stopped_because"] == "max_steps", s
+    s, rows = finished_run(out, tiny_model_dir, NCCL_STEPS, 240, "--trainer.weight_transport", "nccl",
+                           "--trainer.nccl_port", str(free_port()), "--trainer.broadcast_timeout_s", "120")
     groups = s["groups"]
-    assert_counts_add_up(groups)
-    rows = metric_rows(out)
+    wall_s = time.monotonic() - started
     rewards = [r["packer/reward_mean"] for r in rows if "packer/reward_mean" in r]
     trainer = [r for r in rows if r.get("source") == "trainer"]
     weights = out / "weights"
