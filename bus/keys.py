@@ -64,6 +64,11 @@ class Keys:
         """Stream every worker → status display and metrics writers."""
         return f"{self.prefix}metrics"
 
+    def barrier(self) -> str:
+        """Pub/sub channel of replicated reads: a PUBLISH that stores nothing, sent so a WAIT on the reader's
+        connection covers what it read (``Bus.read_fanout(replicated=True)``); nobody subscribes."""
+        return f"{self.prefix}barrier"
+
     def dead(self) -> str:
         """Stream of dead letters: entries that failed too often or could not be decoded."""
         return f"{self.prefix}dead"

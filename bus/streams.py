@@ -36,6 +36,9 @@ RECONNECT_BASE_S = 0.1
 """First wait before retrying a Redis call that failed to connect; it doubles per try."""
 RECONNECT_MAX_S = 5.0
 """Longest wait between two tries."""
+REPLY_SLACK_S = 5.0
+"""How much longer than its longest wait (a blocking read plus a WAIT, in one pipeline) a call's reply may take
+before the connection counts as dead and the call is retried."""
 
 
 KEPT_BYTES = 1024
@@ -95,8 +98,10 @@ class Bus:
         ``cfg.password_var`` when set (else from the URL)."""
         retry = Retry(ExponentialBackoff(cap=RECONNECT_MAX_S, base=RECONNECT_BASE_S),
                       retries=reconnect_tries(cfg.reconnect_timeout_s))
-        client = async_client(url, decode_responses=False, retry=retry, password=redis_password(cfg),
-                                         retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        reply_timeout_s = (cfg.block_ms + cfg.wait_timeout_ms) / 1000 + REPLY_SLACK_S  # redis-py's 5 s default
+        client = async_client(url, decode_responses=False, retry=retry, password=redis_password(cfg),  # cut a longer
+                              socket_timeout=reply_timeout_s,  # wait short, then retried it without end
+                              retry_on_error=[RedisConnectionError, RedisTimeoutError])
         pool = client.connection_pool
         pool.connection_class = fast_packing(pool.connection_class)
         try:
@@ -447,19 +452,26 @@ class Bus:
                            f"(another consumer reclaimed it, or this commit already went through); nothing was written")
         if status == "conflict":
             raise CommitConflict(f"{as_str(reply[1])} {as_str(reply[2])} is {reply[3]!r}, expected {guard[2]!r}")
-        if replicas is not None and replicas < self.cfg.wait_replicas:
-            self.log.warning("replication_lagging", replicas=replicas, wanted=self.cfg.wait_replicas,
-                             waited_ms=self.cfg.wait_timeout_ms)
+        if replicas is not None:
+            self._warn_if_lagging(replicas)
         return [as_str(i) for i in reply[1:]]
 
     # Fan-out reads (no group): weights, policy, metrics.
 
     async def read_fanout(
-        self, stream: str, last_id: str = "0", count: int = 100, block_ms: int | None = None
+        self, stream: str, last_id: str = "0", count: int = 100, block_ms: int | None = None, *,
+        replicated: bool = False,
     ) -> list[tuple[str, Message]]:
-        """XREAD entries after ``last_id``; undecodable entries are logged and skipped."""
+        """XREAD entries after ``last_id``; undecodable entries are logged and skipped.
+
+        ``replicated`` is for a reader that keeps what it reads (``metrics.jsonl``): with ``redis.wait_replicas``
+        set, the entries come back only once that many replicas hold them (or ``wait_timeout_ms`` passed, logged
+        ``replication_lagging``), so a failover cannot take back an entry the reader already kept. The XREAD, a
+        PUBLISH on ``keys.barrier()`` (a write that stores nothing: WAIT then covers every write before the read)
+        and the WAIT go in one pipeline, which redis-py retries whole on the promoted primary, never the read alone.
+        """
         while True:
-            reply = await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+            reply = await self._xread(stream, last_id, count, block_ms, replicated and self.cfg.wait_replicas > 0)
             if not reply:
                 return []
             out = []
@@ -472,6 +484,22 @@ class Bus:
             if out:
                 return out
             block_ms = None
+
+    async def _xread(self, stream: str, last_id: str, count: int, block_ms: int | None, replicated: bool) -> Any:
+        if not replicated:
+            return await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xread({stream: last_id}, count=count, block=block_ms)
+        pipe.publish(self.keys.barrier(), self.worker)
+        pipe.wait(self.cfg.wait_replicas, self.cfg.wait_timeout_ms)
+        reply, _, replicas = await pipe.execute()
+        self._warn_if_lagging(replicas)
+        return reply
+
+    def _warn_if_lagging(self, replicas: int) -> None:
+        if replicas < self.cfg.wait_replicas:
+            self.log.warning("replication_lagging", replicas=replicas, wanted=self.cfg.wait_replicas,
+                             waited_ms=self.cfg.wait_timeout_ms)
 
     async def last(self, stream: str, scan: int = 100) -> tuple[str, Message] | None:
         """The newest entry of ``stream`` that decodes (among the newest ``scan``), or None when there is none."""

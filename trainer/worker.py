@@ -227,7 +227,8 @@ class TrainerWorker:
         while count is None or len(got) < count:
             if self._stop.is_set():
                 return None
-            entries = await self.bus.read_fanout(stream, last_id, count=1000, block_ms=self.config.redis.block_ms)
+            entries = await self.bus.read_fanout(stream, last_id, count=1000, block_ms=self.config.redis.block_ms,
+                                                 replicated=True)  # a failover cannot take back what it trained on
             if not entries and count is None and await self._data_exhausted_before(step):
                 self.log.info("trainer_done", step=self.step, reason=DATA_EXHAUSTED)
                 return None

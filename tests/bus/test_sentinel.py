@@ -2,6 +2,7 @@
 bus (the primary killed -9, the replica promoted, the same Bus carries on against it)."""
 
 import asyncio
+import signal
 
 import pytest
 
@@ -82,6 +83,37 @@ def test_blocked_readers_follow_the_failover_and_never_write_into_the_old_primar
                                    for i in range(4)))
         assert (await bus.redis.info("server"))["tcp_port"] == cluster.ports["b"]
         assert ports <= {cluster.ports["a"], cluster.ports["b"]}
+        await bus.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_replicated_read_never_returns_an_entry_the_failover_takes_back(cluster, run_name):
+    """A reader that keeps what it reads (``metrics.jsonl``) read a row the primary had not yet replicated, the
+    primary died, and the promoted replica never had the row: the run's books counted a group twice. With
+    ``replicated=True`` the read and its WAIT are one pipeline, retried whole on the promoted primary."""
+    cfg = RedisConfig(url=cluster.url, wait_replicas=1, wait_timeout_ms=3_000, reconnect_timeout_s=30)
+
+    async def main():
+        bus = await Bus.connect(cluster.url, run_name, cfg, "reader")
+        out = bus.keys.metrics()
+        kept = await bus.publish(out, Metric(source="t", values={"n": 1.0}))
+        replica = cluster.procs["b"]
+        replica.send_signal(signal.SIGSTOP)  # the replica can neither read its link nor reconnect
+        try:
+            primary = cluster.client("a")
+            primary.client_kill_filter(_type="replica")  # so nothing written from here on reaches it
+            primary.xadd(out, Metric(source="t", values={"n": 2.0}).to_fields())
+            reading = asyncio.create_task(bus.read_fanout(out, "0", count=10, replicated=True))
+            await asyncio.sleep(1.0)
+            assert not reading.done()  # waiting for the replica to hold what it read
+            await asyncio.to_thread(cluster.kill, "a")
+        finally:
+            replica.send_signal(signal.SIGCONT)
+        rows = await asyncio.wait_for(reading, 60)
+        assert cluster.primary() == "b"
+        assert [entry_id for entry_id, _ in rows] == [kept]
         await bus.close()
 
     asyncio.run(main())

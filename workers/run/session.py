@@ -347,7 +347,8 @@ class RunSession:
 
     async def _read_metrics(self, bus: Bus, writer, probe, block_ms: int | None) -> int:
         """Copy the metrics entries after ``metrics_last_id`` to the writer and the probe; returns how many."""
-        entries = await bus.read_fanout(bus.keys.metrics(), self.metrics_last_id, count=500, block_ms=block_ms)
+        entries = await bus.read_fanout(bus.keys.metrics(), self.metrics_last_id, count=500, block_ms=block_ms,
+                                       replicated=True)  # a row kept is one a failover cannot take back
         for entry_id, message in entries:
             if isinstance(message, Metric):
                 probe.observe(writer.write(entry_id, message))
