@@ -6,12 +6,18 @@
 Bare loop: ``model(input_ids[B, L]).logits.float()`` → log_softmax → gather → policy-gradient loss
 → backward → AdamW (full-vocab fp32 logits). Trainer: :func:`trainer.step.train_step` on the same
 tokens as B micro-batches of L tokens (chunked logprobs, dppo loss, clipping, metrics).
-Last line: ``trainer/bare ratio: X`` (tokens/s).
+
+Both loops live in one process and take turns: ``--rounds`` rounds of ``--steps`` steps each, the order flipped
+every round, so a busy machine slows both alike. Each round gives a ratio; the last line is their median,
+``trainer/bare ratio: X`` (tokens/s), after the spread of the rounds. Peak memory is the process's (both
+models are in it): compare memory with ``--only``.
 """
 
 import argparse
 import gc
+import statistics
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 from presets import PRESETS, build, use_repo_imports
@@ -89,7 +95,7 @@ def compile_layers(model):
         layer.compile()
 
 
-def run_bare(args, device, dtype, d) -> tuple[float, float, float]:
+def bare_step(args, device, dtype, d) -> Callable[[], None]:
     model = build(args.preset, device, dtype)
     if args.compile:
         compile_layers(model)
@@ -107,10 +113,10 @@ def run_bare(args, device, dtype, d) -> tuple[float, float, float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return timed(step, args, device)
+    return step
 
 
-def run_trainer(args, device, dtype, d) -> tuple[float, float, float]:
+def trainer_step(args, device, dtype, d) -> Callable[[], None]:
     lm = build(args.preset, device, dtype)
     policy = PolicyModel(lm, chunk_size=args.chunk_size, compile_head=args.compile)
     if args.compile:
@@ -126,12 +132,11 @@ def run_trainer(args, device, dtype, d) -> tuple[float, float, float]:
         train_step(policy, opt, sched, batches, loss_fns=fns, ctx=DistContext(), step=1, max_grad_norm=1.0,
                    n_params=n_params, forward_batch=args.forward_batch)
 
-    return timed(step, args, device)
+    return step
 
 
-def timed(step, args, device) -> tuple[float, float, float]:
-    """(tokens/s, peak GiB, first-step seconds) over args.steps steps after args.warmup."""
-    reset_peak(device)
+def warm_up(step, args, device) -> float:
+    """Run the warmup steps; returns the first one's seconds (compilation, allocation)."""
     t0 = time.perf_counter()
     step()
     sync(device)
@@ -139,12 +144,18 @@ def timed(step, args, device) -> tuple[float, float, float]:
     for _ in range(args.warmup - 1):
         step()
     sync(device)
+    return first
+
+
+def timed(step, args, device) -> tuple[float, float]:
+    """(tokens/s, peak GiB) over args.steps steps."""
+    reset_peak(device)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
     sync(device)
     elapsed = time.perf_counter() - t0
-    return args.batch * args.seq_len * args.steps / elapsed, peak_gib(device), first
+    return args.batch * args.seq_len * args.steps / elapsed, peak_gib(device)
 
 
 def main() -> None:
@@ -157,7 +168,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1024, help="logprob chunk (tokens)")
     parser.add_argument("--forward-batch", type=int, default=None,
                         help="trainer micro-batches per forward pass (trainer.forward_batch); default: --batch, as bare")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="steps per round; default 10 cpu / 3 cuda")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds each loop runs, taking turns; default 7 cpu / 3 cuda")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (both loops)")
     parser.add_argument("--only", choices=["trainer", "bare"], default=None)
@@ -168,28 +180,38 @@ def main() -> None:
     args.seq_len = args.seq_len or (2048 if gpu else 256)
     args.sample_len = args.sample_len or args.seq_len
     args.forward_batch = args.forward_batch or args.batch
+    args.steps = args.steps or (3 if gpu else 10)
+    args.rounds = args.rounds or (3 if gpu else 7)
     args.warmup = max(1, args.warmup)
     torch.set_num_threads(torch.get_num_threads() if gpu else 1)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if gpu else torch.float32
     d = data(args, PRESETS[args.preset]["vocab_size"])
     print(f"preset={args.preset} device={device} dtype={dtype} tokens/step={args.batch}x{args.seq_len} "
-          f"sample_len={args.sample_len} compile={args.compile} steps={args.steps} warmup={args.warmup} forward_batch={args.forward_batch}", flush=True)
-    results = {}
+          f"sample_len={args.sample_len} compile={args.compile} steps={args.steps} rounds={args.rounds} warmup={args.warmup} forward_batch={args.forward_batch}", flush=True)
     flops = peak_flops(device)
     meta = PolicyModel(build(args.preset, "meta", dtype)) if flops else None
-    for name, fn in (("trainer", run_trainer), ("bare", run_bare)):
-        if args.only and args.only != name:
-            continue
-        tps, peak, first = fn(args, device, dtype, d)
-        results[name] = tps
-        line = f"{name:8s} {tps:10.0f} tokens/s  peak {peak:6.2f} GiB  first step {first:6.1f} s"
+    names = [name for name in ("trainer", "bare") if not args.only or args.only == name]
+    builders = {"trainer": trainer_step, "bare": bare_step}
+    steps = {name: builders[name](args, device, dtype, d) for name in names}
+    first = {name: warm_up(steps[name], args, device) for name in names}
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    peaks: dict[str, float] = dict.fromkeys(names, 0.0)
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            tps, peak = timed(steps[name], args, device)
+            rounds[name].append(tps)
+            peaks[name] = max(peaks[name], peak)
+    for name in names:
+        tps = statistics.median(rounds[name])
+        line = f"{name:8s} {tps:10.0f} tokens/s  peak {peaks[name]:6.2f} GiB  first step {first[name]:6.1f} s"
         if flops:  # one second's tokens, in samples of sample_len: Σ len² = tokens · sample_len
             line += f"  MFU {train_flops(meta, count_parameters(meta.lm), tps, tps * args.sample_len) / flops:5.1%}"
         print(line, flush=True)
-    if len(results) == 2:
-        print(f"trainer/bare ratio: {results['trainer'] / results['bare']:.3f}")
-
+    if len(names) == 2:
+        ratios = [t / b for t, b in zip(rounds["trainer"], rounds["bare"], strict=True)]
+        print(f"rounds: {' '.join(f'{x:.3f}' for x in ratios)} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+        print(f"trainer/bare ratio: {statistics.median(ratios):.3f}")
 
 if __name__ == "__main__":
     main()

@@ -98,10 +98,10 @@ class Bus:
         ``cfg.password_var`` when set (else from the URL)."""
         retry = Retry(ExponentialBackoff(cap=RECONNECT_MAX_S, base=RECONNECT_BASE_S),
                       retries=reconnect_tries(cfg.reconnect_timeout_s))
-        reply_timeout_s = (cfg.block_ms + cfg.wait_timeout_ms) / 1000 + REPLY_SLACK_S  # redis-py's 5 s default
-        client = async_client(url, decode_responses=False, retry=retry, password=redis_password(cfg),  # cut a longer
-                              socket_timeout=reply_timeout_s,  # wait short, then retried it without end
-                              retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        # Not redis-py's default (5 s), which cut a longer blocking read or WAIT short and then retried it forever.
+        reply_timeout_s = (cfg.block_ms + cfg.wait_timeout_ms) / 1000 + REPLY_SLACK_S
+        client = async_client(url, decode_responses=False, retry=retry, password=redis_password(cfg),
+                              socket_timeout=reply_timeout_s, retry_on_error=[RedisConnectionError, RedisTimeoutError])
         pool = client.connection_pool
         pool.connection_class = fast_packing(pool.connection_class)
         try:
