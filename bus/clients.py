@@ -91,8 +91,8 @@ def _client(url: str, options: dict[str, Any], redis_class: type, sentinel_class
     if not is_sentinel_url(url):
         return redis_class.from_url(url, **options)
     address = parse_sentinel_url(url)
-    # The timeout is the sentinels' own: given as connection kwargs, redis-py would also put it on the primary's
-    # connections, where a blocking read or a WAIT longer than it timed out and was retried without end.
+    # The timeout is the sentinels' own: given as connection kwargs, redis-py also put it on the primary's
+    # connections, where a blocking read plus a WAIT (one replicated read) outlasted it and was retried without end.
     sentinel = sentinel_class(address.sentinels,
                               sentinel_kwargs={"socket_timeout": options.get("socket_timeout") or 2.0})
     return sentinel.master_for(address.primary, redis_class=redis_class, db=address.db,

@@ -36,9 +36,6 @@ RECONNECT_BASE_S = 0.1
 """First wait before retrying a Redis call that failed to connect; it doubles per try."""
 RECONNECT_MAX_S = 5.0
 """Longest wait between two tries."""
-REPLY_SLACK_S = 5.0
-"""How much longer than its longest wait (a blocking read plus a WAIT, in one pipeline) a call's reply may take
-before the connection counts as dead and the call is retried."""
 
 
 KEPT_BYTES = 1024
@@ -98,10 +95,8 @@ class Bus:
         ``cfg.password_var`` when set (else from the URL)."""
         retry = Retry(ExponentialBackoff(cap=RECONNECT_MAX_S, base=RECONNECT_BASE_S),
                       retries=reconnect_tries(cfg.reconnect_timeout_s))
-        # Not redis-py's default (5 s), which cut a longer blocking read or WAIT short and then retried it forever.
-        reply_timeout_s = (cfg.block_ms + cfg.wait_timeout_ms) / 1000 + REPLY_SLACK_S
         client = async_client(url, decode_responses=False, retry=retry, password=redis_password(cfg),
-                              socket_timeout=reply_timeout_s, retry_on_error=[RedisConnectionError, RedisTimeoutError])
+                                         retry_on_error=[RedisConnectionError, RedisTimeoutError])
         pool = client.connection_pool
         pool.connection_class = fast_packing(pool.connection_class)
         try:

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Protocol
 
 from bus.errors import ConfigError
@@ -67,6 +68,30 @@ async def run_worker(worker: Worker) -> int:
     finally:
         await worker.close()
     return 0
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task], timeout_s: float, log) -> None:
+    """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end; a task still running then is logged
+    (``task_ignored_cancel``, with what it is awaiting) and left behind, so its owner still gets to shut down."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _, stuck = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in stuck:
+        log.error("task_ignored_cancel", task=task.get_name(), awaiting=" <- ".join(awaited_frames(task)),
+                  hint=f"it did not end within {timeout_s:.0f}s of being cancelled; going on without it")
+
+
+def awaited_frames(task: asyncio.Task) -> list[str]:
+    """Where a suspended task is, outermost first: ``file:line function`` along its chain of awaits."""
+    frames, coro = [], task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            frames.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames
 
 
 async def run_until_first(stop: asyncio.Event, *coros: Coroutine) -> None:

@@ -37,6 +37,7 @@ from bus.state import DATA_EXHAUSTED, STOP_REASON_FIELD, exhausted_at
 from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.envs.registry import load_env
+from workers.lifecycle import cancel_and_wait
 from workers.run.accounting import group_counts
 from workers.run.eval import EvalCoordinator
 from workers.run.metrics import MetricsWriter
@@ -45,6 +46,10 @@ from workers.run.resolved import child_password, dump_toml, needs_teacher_server
 from workers.run.status import RunProbe, render
 from workers.run.status_report import StatusReporter
 from workers.run.supervisor import ChildSpec, Supervisor
+
+BACKGROUND_STOP_S = 10.0
+"""How long the run waits for its own tasks (metrics, eval, supervision) to end once cancelled; then it stops the
+workers and writes its summary without them (a CI run once hung here for good, cause not found)."""
 
 RUN_STATE = ("redis", "weights", "checkpoints", "logs", "wandb", "metrics.jsonl", "summary.json", "report.png")
 """What a fresh run clears from output_dir (a resumed run keeps it)."""
@@ -273,9 +278,7 @@ class RunSession:
         try:
             await self._loop(bus, probe, evaluator)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks, BACKGROUND_STOP_S, self.log)
         if not self.attach:
             await asyncio.to_thread(self.sup.stop_all, self.grace_s, 1)  # workers; redis (stop_order 2) stays up
         while await self._read_metrics(bus, writer, probe, block_ms=None):  # what came in before the workers stopped
