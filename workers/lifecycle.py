@@ -72,7 +72,8 @@ async def run_worker(worker: Worker) -> int:
 
 async def cancel_and_wait(tasks: list[asyncio.Task], timeout_s: float, log) -> None:
     """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end; a task still running then is logged
-    (``task_ignored_cancel``, with what it is awaiting) and left behind, so its owner still gets to shut down."""
+    (``task_ignored_cancel``, with what it is awaiting) and left behind, so its owner still does its own shutdown
+    (``asyncio.run`` itself still waits for such a task when the loop ends)."""
     for task in tasks:
         task.cancel()
     if not tasks:

@@ -49,7 +49,8 @@ from workers.run.supervisor import ChildSpec, Supervisor
 
 BACKGROUND_STOP_S = 10.0
 """How long the run waits for its own tasks (metrics, eval, supervision) to end once cancelled; then it stops the
-workers and writes its summary without them (a CI run once hung here for good, cause not found)."""
+workers and writes its summary without them. (A CI run hung here for good: its eval task went on after its cancel,
+inside redis-py reads under a socket timeout; the process's exit still waits for such a task.)"""
 
 RUN_STATE = ("redis", "weights", "checkpoints", "logs", "wandb", "metrics.jsonl", "summary.json", "report.png")
 """What a fresh run clears from output_dir (a resumed run keeps it)."""
