@@ -4,8 +4,9 @@ A rollout-shaped message: one RolloutGroup with one sample of 256 prompt + 1024 
 ids, their logprobs and loss mask (~9 KB). The bus path encodes every message, publishes with
 ``Bus.publish_many`` (pipelined XADD) and consumes with ``Bus.read_group`` (decode) + ``Bus.ack``;
 the bare path XADDs the already-encoded fields with a redis-py asyncio pipeline and consumes with
-XREADGROUP + XACK. Rounds alternate bus/bare; the best round of each counts. Last line:
-``bus/bare ratio: X`` (end-to-end msgs/s, publish + consume).
+XREADGROUP + XACK. Rounds alternate bus/bare; the best round of each counts. Then the codec's cost per
+message, in process: encode (``to_fields``; of it, msgpack) and decode (``decode``; of it, msgpack and
+validation). Last line: ``bus/bare ratio: X`` (end-to-end msgs/s, publish + consume).
 
     python benchmarks/bus.py [--messages 4000] [--batch 64] [--rounds 5]
 """
@@ -15,6 +16,7 @@ import asyncio
 import gc
 import sys
 import time
+import timeit
 from pathlib import Path
 
 # Run as a script, this file's folder comes first on sys.path and its name shadows the `bus` package.
@@ -24,9 +26,10 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import numpy as np  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
+from bus.arrays import packb, unpackb  # noqa: E402
 from bus.config import RedisConfig  # noqa: E402
 from bus.local_redis import LocalRedis  # noqa: E402
-from bus.messages import RolloutGroup, Sample  # noqa: E402
+from bus.messages import RolloutGroup, Sample, _plain, decode  # noqa: E402
 from bus.streams import Bus  # noqa: E402
 
 
@@ -116,6 +119,20 @@ async def bench(url: str, n: int, batch: int, rounds: int) -> float:
     return sum(best["bare"]) / sum(best["bus"])
 
 
+def codec_costs(message: RolloutGroup, repeats: int = 5, number: int = 2000) -> dict[str, float]:
+    """Microseconds per message of each codec part (best of ``repeats`` runs of ``number`` calls)."""
+    fields = {k.encode(): v.encode() if isinstance(v, str) else v for k, v in message.to_fields().items()}
+    payload = unpackb(fields[b"data"])
+    parts = {
+        "encode": message.to_fields,
+        "of it msgpack": lambda: packb(_plain(message)),
+        "decode": lambda: decode(fields),
+        "of it msgpack ": lambda: unpackb(fields[b"data"]),
+        "and validation": lambda: RolloutGroup.__pydantic_validator__.validate_python(payload),
+    }
+    return {name: min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6 for name, fn in parts.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=4000)
@@ -124,6 +141,8 @@ def main() -> None:
     args = parser.parse_args()
     with LocalRedis(aof=False) as server:
         ratio = asyncio.run(bench(server.url, args.messages, args.batch, args.rounds))
+    costs = codec_costs(rollout_message(0))
+    print("codec per message: " + ", ".join(f"{name.strip()} {us:.1f} us" for name, us in costs.items()))
     print(f"bus/bare ratio: {ratio:.2f}")
 
 
