@@ -57,8 +57,18 @@ class ZeroAdvantageFilterConfig(FilterSpec):
     same), so they take no place in the batch nor in the loss normaliser; the pre-batch slot lists it monitor-only."""
 
 
+class TruncatedFilterConfig(FilterSpec):
+    type: Literal["truncated"] = "truncated"
+    """Selects this filter: ``truncated``."""
+    enforce: bool = True
+    """True (DAPO's overlong filtering, TRL's ``mask_truncated_completions``): drop samples that stopped at the token
+    limit rather than at the end of their turn, so RL never reinforces an answer that does not end (its reward still
+    counts in its group's baseline)."""
+
+
 SampleFilterConfig = Annotated[
-    GibberishFilterConfig | RepetitionFilterConfig | ZeroAdvantageFilterConfig, Field(discriminator="type")
+    GibberishFilterConfig | RepetitionFilterConfig | ZeroAdvantageFilterConfig | TruncatedFilterConfig,
+    Field(discriminator="type"),
 ]
 
 

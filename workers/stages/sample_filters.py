@@ -1,4 +1,4 @@
-"""Sample filters (prime-rl's): gibberish, repetition, zero advantage.
+"""Sample filters: prime-rl's gibberish, repetition and zero advantage, and DAPO's truncated (overlong).
 
 Each filter flags samples; an ``enforce`` filter drops the flagged ones, a monitor-only filter
 just annotates them (``sample.flags[type] = True``) and counts. Advantages are computed before
@@ -19,6 +19,7 @@ from workers.batch_config import (
     GibberishFilterConfig,
     RepetitionFilterConfig,
     SampleFilterConfig,
+    TruncatedFilterConfig,
     ZeroAdvantageFilterConfig,
 )
 
@@ -79,6 +80,8 @@ def flag(sample: Sample, cfg: SampleFilterConfig, vocab_size: int) -> bool:
         return is_repetitive(sample, cfg)
     if isinstance(cfg, ZeroAdvantageFilterConfig):
         return is_zero_advantage(sample)
+    if isinstance(cfg, TruncatedFilterConfig):
+        return sample.is_truncated
     raise TypeError(f"unknown filter config {type(cfg).__name__}")
 
 

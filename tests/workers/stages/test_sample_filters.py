@@ -5,7 +5,12 @@ import math
 import numpy as np
 
 from bus.messages import Sample
-from workers.batch_config import GibberishFilterConfig, RepetitionFilterConfig, ZeroAdvantageFilterConfig
+from workers.batch_config import (
+    GibberishFilterConfig,
+    RepetitionFilterConfig,
+    TruncatedFilterConfig,
+    ZeroAdvantageFilterConfig,
+)
 from workers.stages.sample_filters import (
     active_filters,
     apply_filters,
@@ -54,6 +59,16 @@ def test_longest_run():
 def test_zero_advantage():
     assert is_zero_advantage(sample([1], [0.0], advantage=0.0))
     assert not is_zero_advantage(sample([1], [0.0], advantage=1e-6))
+
+
+def test_truncated_drops_what_stopped_at_the_token_limit_by_default():
+    ended, cut = sample([1], [0.0]), sample([1, 2], [0.0, 0.0])
+    cut.is_truncated = True
+    kept, counts = apply_filters([ended, cut], [TruncatedFilterConfig()], VOCAB)
+    assert kept == [ended] and counts.dropped["truncated"] == 1
+    assert [s.flags["truncated"] for s in (ended, cut)] == [False, True]
+    kept, _ = apply_filters([ended, cut], [TruncatedFilterConfig(enforce=False)], VOCAB)
+    assert kept == [ended, cut]
 
 
 def test_monitor_only_annotates_and_counts_enforce_drops():
