@@ -68,8 +68,8 @@ def _encode_hook(value: Any) -> Any:
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
 _DECODER = msgspec.msgpack.Decoder()
-"""msgspec writes the same msgpack bytes as msgpack-python (``use_bin_type``) at about a third of its cost, and
-reads them in about half (tests compare the bytes)."""
+"""msgspec writes the same msgpack bytes as msgpack-python (``use_bin_type``; tests compare them); on a rollout group
+it encoded in about a third of msgpack-python's time and decoded in about 60%."""
 
 
 def packb(value: Any) -> bytes:
