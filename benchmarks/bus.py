@@ -119,18 +119,18 @@ async def bench(url: str, n: int, batch: int, rounds: int) -> float:
     return sum(best["bare"]) / sum(best["bus"])
 
 
-def codec_costs(message: RolloutGroup, repeats: int = 5, number: int = 2000) -> dict[str, float]:
+def codec_costs(message: RolloutGroup, repeats: int = 5, number: int = 2000) -> list[tuple[str, float]]:
     """Microseconds per message of each codec part (best of ``repeats`` runs of ``number`` calls)."""
     fields = {k.encode(): v.encode() if isinstance(v, str) else v for k, v in message.to_fields().items()}
     payload = unpackb(fields[b"data"])
-    parts = {
-        "encode": message.to_fields,
-        "of it msgpack": lambda: packb(_plain(message)),
-        "decode": lambda: decode(fields),
-        "of it msgpack ": lambda: unpackb(fields[b"data"]),
-        "and validation": lambda: RolloutGroup.__pydantic_validator__.validate_python(payload),
-    }
-    return {name: min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6 for name, fn in parts.items()}
+    parts = [
+        ("encode", message.to_fields),
+        ("of it msgpack", lambda: packb(_plain(message))),
+        ("decode", lambda: decode(fields)),
+        ("of it msgpack", lambda: unpackb(fields[b"data"])),
+        ("and validation", lambda: RolloutGroup.__pydantic_validator__.validate_python(payload)),
+    ]
+    return [(name, min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6) for name, fn in parts]
 
 
 def main() -> None:
@@ -142,7 +142,7 @@ def main() -> None:
     with LocalRedis(aof=False) as server:
         ratio = asyncio.run(bench(server.url, args.messages, args.batch, args.rounds))
     costs = codec_costs(rollout_message(0))
-    print("codec per message: " + ", ".join(f"{name.strip()} {us:.1f} us" for name, us in costs.items()))
+    print("codec per message: " + ", ".join(f"{name} {us:.1f} us" for name, us in costs))
     print(f"bus/bare ratio: {ratio:.2f}")
 
 
