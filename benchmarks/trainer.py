@@ -118,7 +118,7 @@ def bare_step(args, device, dtype, d) -> Callable[[], None]:
 
 def trainer_step(args, device, dtype, d) -> Callable[[], None]:
     lm = build(args.preset, device, dtype)
-    policy = PolicyModel(lm, chunk_size=args.chunk_size, compile_head=args.compile)
+    policy = PolicyModel(lm, chunk_size=args.chunk_size, compile_head=args.compile, keep_bytes=args.logits_keep_mb * 2**20)
     if args.compile:
         compile_layers(lm)
     opt = build_optimizer(policy, TRAINER_CFG)
@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default 256 cpu / 2048 cuda")
     parser.add_argument("--sample-len", type=int, default=None, help="tokens per packed sample (default: seq-len)")
     parser.add_argument("--chunk-size", type=int, default=1024, help="logprob chunk (tokens)")
+    parser.add_argument("--logits-keep-mb", type=int, default=1024,
+                        help="trainer.logits_keep_mb: MiB the head may keep for its backward (0: recompute)")
     parser.add_argument("--forward-batch", type=int, default=None,
                         help="trainer micro-batches per forward pass (trainer.forward_batch); default: --batch, as bare")
     parser.add_argument("--steps", type=int, default=None, help="steps per round; default 10 cpu / 3 cuda")

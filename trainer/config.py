@@ -108,6 +108,12 @@ class TrainerConfig(Section):
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk when computing logprobs over the vocabulary (bounds logits memory)."""
 
+    logits_keep_mb: int = Field(1024, ge=0)
+    """MiB the logprob head may keep from a forward pass to its backward: when one ``[tokens, vocab]`` tensor of
+    the pass fits (weight dtype; fp32 with ``entropy_coef``), the backward reuses the forward's softmax instead of
+    recomputing every chunk's logits (a matmul and a softmax less per chunk). Larger passes recompute, holding only
+    ``logprob_chunk_size × vocab``. 0: always recompute (least memory)."""
+
     forward_batch: int = Field(1, ge=1)
     """Micro-batches stacked into one forward/backward pass (rows padded to the longest). Same update; on a GPU,
     larger values mean fewer, larger kernels (higher utilisation) at the cost of activation memory."""

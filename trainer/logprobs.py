@@ -1,9 +1,11 @@
 """Token logprobs and entropy of packed samples, computed in chunks over the sequence.
 
-The head's ``[tokens, vocab]`` fp32 logits are never materialised: :class:`ChunkedLogprobs`
-computes ``chunk_size`` rows at a time in the forward pass and recomputes them in the backward
-pass, so logits memory is ``chunk_size × vocab`` whatever the sequence length (the 150k-vocab
-case on GPU). Logits are divided by each token's sampling temperature before the softmax.
+The head's ``[tokens, vocab]`` fp32 logits are never materialised at once: :class:`ChunkedLogprobs`
+computes ``chunk_size`` rows at a time. Where one ``[tokens, vocab]`` tensor fits ``keep_bytes``
+(``trainer.logits_keep_mb``), the forward pass keeps each chunk's gradient with respect to its logits and the
+backward pass is two matmuls a chunk; otherwise the backward recomputes each chunk's logits, so logits memory
+is ``chunk_size × vocab`` whatever the sequence length (the 150k-vocab case on GPU). Logits are divided by
+each token's sampling temperature before the softmax.
 
 Packed samples never attend across their boundaries: position ids restart at 0 per sample and
 transformers (SDPA attention, no 2-D attention mask) turns that into a block-diagonal causal mask;
@@ -16,33 +18,52 @@ import torch
 from torch import Tensor, nn
 
 
-def chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor) -> tuple[Tensor, Tensor]:
-    """One chunk's ``(logprob of target, entropy)``, both ``[n]`` fp32, from hidden ``[n, H]``."""
-    logits = (hidden @ weight.t()).float() * inv_temp[:, None]
-    lse = logits.logsumexp(-1)
-    target = logits.gather(-1, targets[:, None])[:, 0]
-    probs = (logits - lse[:, None]).exp()
-    return target - lse, lse - (probs * logits).sum(-1)
+def chunk_logits(hidden: Tensor, weight: Tensor, inv_temp: Tensor) -> Tensor:
+    """``z = h Wᵀ / τ`` of one chunk, ``[n, V]`` fp32. In fp32 the 1/τ row scale goes on hidden ``[n, H]`` (H ≪ V:
+    the same numbers, a pass over the logits less); in a lower precision it stays fp32, on the logits."""
+    if hidden.dtype == torch.float32:
+        return (hidden * inv_temp[:, None]) @ weight.t()
+    return (hidden @ weight.t()).float() * inv_temp[:, None]
 
 
-def chunk_logits_grad(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, grad_out: Tensor,
-                      grad_entropy: Tensor | None = None) -> Tensor:
-    """d(Σ grad_out · logprob + Σ grad_entropy · entropy) / d(hidden Wᵀ) of one chunk, ``[n, V]`` in the weight's
-    dtype.
+def chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor,
+                   keep: str) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One chunk's ``(logprob of target, entropy, logsumexp, kept)``, the first three ``[n]`` fp32, from hidden
+    ``[n, H]``.
 
-    ``d logp[target] / d logits = onehot(target) − p`` and ``d H / d logits = −p · (log p + H)``, times the
-    incoming gradients and 1/τ.
+    ``kept`` is what the backward pass needs of the ``[n, V]`` logits, so it need not recompute them: with
+    ``keep = "dlogp"``, ``d logp[target] / d z = onehot(target) − p`` in the weight's dtype (a logprob-only
+    backward); with ``"logits"``, ``z`` itself (an entropy backward); with ``"none"``, nothing.
     """
-    logits = (hidden @ weight.t()).float() * inv_temp[:, None]
-    logp = logits.log_softmax(-1) if grad_entropy is not None else None
-    probs = logits.softmax(-1) if logp is None else logp.exp()
-    columns = torch.arange(probs.shape[-1], device=probs.device)
-    grad = torch.where(columns[None, :] == targets[:, None], 1.0 - probs, -probs)
-    if logp is None:
-        return (grad * (grad_out * inv_temp)[:, None]).to(weight.dtype)
-    entropy = -(probs * logp).sum(-1)
-    grad = grad * grad_out[:, None] - probs * (logp + entropy[:, None]) * grad_entropy[:, None]
-    return (grad * inv_temp[:, None]).to(weight.dtype)
+    z = chunk_logits(hidden, weight, inv_temp)
+    lse = z.logsumexp(-1)
+    logprob = z.gather(-1, targets[:, None])[:, 0] - lse
+    probs = (z - lse[:, None]).exp_()
+    entropy = lse - (probs * z).sum(-1)
+    if keep == "dlogp":
+        return logprob, entropy, lse, onehot_minus(probs, targets).to(weight.dtype)
+    return logprob, entropy, lse, z if keep == "logits" else None
+
+
+def onehot_minus(probs: Tensor, targets: Tensor) -> Tensor:
+    """``onehot(target) − p``, in place of ``probs``."""
+    return probs.neg_().scatter_add_(-1, targets[:, None], torch.ones_like(probs[:, :1]))
+
+
+def chunk_logits_grad(z: Tensor, lse: Tensor, entropy: Tensor, targets: Tensor, grad_logprob: Tensor,
+                      grad_entropy: Tensor | None) -> Tensor:
+    """``d(Σ grad_logprob · logp + Σ grad_entropy · H) / dz`` of one chunk, ``[n, V]`` fp32, from its logits.
+
+    ``d logp[target] / dz = onehot(target) − p`` and ``d H / dz = −p · (log p + H)``. Without ``grad_entropy`` the
+    result is ``onehot(target) − p``, unscaled: the caller scales its rows by ``grad_logprob`` on the ``[n, H]``
+    side of the matmuls, which is cheaper.
+    """
+    logp = z - lse[:, None]
+    probs = logp.exp()
+    if grad_entropy is None:
+        return onehot_minus(probs, targets)
+    grad = probs.mul_(-(grad_logprob[:, None] + grad_entropy[:, None] * (logp + entropy[:, None])))
+    return grad.scatter_add_(-1, targets[:, None], grad_logprob[:, None])
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -51,45 +72,60 @@ class ChunkedLogprobs(torch.autograd.Function):
     Shapes: hidden ``[T, H]``, weight ``[V, H]``, targets ``[T]`` (int64), inv_temp ``[T]`` (fp32)
     → logprobs ``[T]`` fp32 (differentiable) and entropy ``[T]`` fp32, differentiable only with ``entropy_grad``
     (``trainer.entropy_coef``; otherwise a metric, and its backward does no extra work).
+    When the kept ``[T, V]`` tensor (see :func:`chunk_logprobs`) fits ``keep_bytes``, the forward keeps it and the
+    backward is two matmuls per chunk; otherwise the backward recomputes each chunk's logits.
     ``fns`` is ``(chunk_logprobs, chunk_logits_grad)`` or torch.compiled versions of them (one
     fused kernel per chunk instead of a dozen passes over ``[chunk, V]`` fp32).
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk_size: int, fns,
-                entropy_grad: bool = False):
-        n = hidden.shape[0]
+                entropy_grad: bool = False, keep_bytes: int = 0):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        keep = "logits" if entropy_grad else "dlogp"
+        if n * vocab * (4 if entropy_grad else weight.element_size()) > keep_bytes:
+            keep = "none"
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ctx.kept = []
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logprobs[start:end], entropy[start:end] = fns[0](hidden[start:end], weight, targets[start:end],
-                                                               inv_temp[start:end])
-        ctx.save_for_backward(hidden, weight, targets, inv_temp)
-        ctx.chunk_size, ctx.fns, ctx.entropy_grad = chunk_size, fns, entropy_grad
+            logprobs[start:end], entropy[start:end], lse[start:end], kept = fns[0](
+                hidden[start:end], weight, targets[start:end], inv_temp[start:end], keep)
+            ctx.kept.append(kept)
+        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse, entropy)
+        ctx.chunk_size, ctx.fns, ctx.entropy_grad, ctx.keep = chunk_size, fns, entropy_grad, keep
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor, grad_entropy: Tensor):
-        hidden, weight, targets, inv_temp = ctx.saved_tensors
+        hidden, weight, targets, inv_temp, lse, entropy = ctx.saved_tensors
         if not ctx.entropy_grad:
             grad_entropy = None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             end = min(start + ctx.chunk_size, hidden.shape[0])
-            h = hidden[start:end]
-            grad = ctx.fns[1](h, weight, targets[start:end], inv_temp[start:end], grad_logprobs[start:end],
-                              None if grad_entropy is None else grad_entropy[start:end])
+            h, kept = hidden[start:end], ctx.kept[i]
+            if ctx.keep != "dlogp":
+                z = kept if ctx.keep == "logits" else chunk_logits(h, weight, inv_temp[start:end])
+                kept = ctx.fns[1](z, lse[start:end], entropy[start:end], targets[start:end],
+                                  grad_logprobs[start:end], None if grad_entropy is None else grad_entropy[start:end])
+                kept = kept.to(weight.dtype)
+            # Row factors of d/dz (1/τ, and d/dlogp unless the entropy's gradient is already in it) applied to the
+            # [n, H] side: grad_h = (G W) · r, grad_W = Gᵀ (h · r).
+            rows = inv_temp[start:end] if grad_entropy is not None else grad_logprobs[start:end] * inv_temp[start:end]
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad @ weight
+                grad_hidden[start:end] = (kept @ weight) * rows[:, None]
             if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
+                grad_weight += (kept.t() @ (h * rows[:, None]).to(weight.dtype)).float()
+        ctx.kept = []
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 @dataclass
@@ -109,7 +145,8 @@ class PolicyModel(nn.Module):
     (tied or not). ``lm`` stays reachable as ``.lm`` (its state dict is the Hugging Face one).
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024, compile_head: bool = False, entropy_grad: bool = False):
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024, compile_head: bool = False, entropy_grad: bool = False,
+                 keep_bytes: int = 0):
         super().__init__()
         head = lm.get_output_embeddings()
         if not isinstance(head, nn.Linear) or head.bias is not None:
@@ -118,6 +155,8 @@ class PolicyModel(nn.Module):
         self.chunk_size = chunk_size
         self.entropy_grad = entropy_grad
         """Whether the entropy is differentiable (a loss uses it: ``trainer.entropy_coef``)."""
+        self.keep_bytes = keep_bytes
+        """Bytes the head may keep from forward to backward (see :class:`ChunkedLogprobs`); none without grad."""
         fns = (chunk_logprobs, chunk_logits_grad)
         self.head_fns = tuple(torch.compile(fn, dynamic=False) for fn in fns) if compile_head else fns
 
@@ -134,8 +173,9 @@ class PolicyModel(nn.Module):
         inv_temp = torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), torch.ones_like(temps))
         weight = self.lm.get_output_embeddings().weight
         targets = input_ids[:, 1:].reshape(-1)
+        keep_bytes = self.keep_bytes if torch.is_grad_enabled() else 0
         logprobs, entropy = ChunkedLogprobs.apply(hidden, weight, targets, inv_temp, self.chunk_size, self.head_fns,
-                                                  self.entropy_grad)
+                                                  self.entropy_grad, keep_bytes)
         first = position_ids[:, 1:] == 0  # first token of a sample: not predicted from this sample
         logprobs = logprobs.view(first.shape).masked_fill(first, 0.0)
         entropy = entropy.view(first.shape).masked_fill(first, 0.0)

@@ -84,7 +84,8 @@ class TrainerWorker:
         self.n_params = count_parameters(lm)
         self.lm_config = lm.config
         self.policy = prepare_model(PolicyModel(lm, self.cfg.logprob_chunk_size, compile_head=self.cfg.compile,
-                                                entropy_grad=self.cfg.entropy_coef > 0),
+                                                entropy_grad=self.cfg.entropy_coef > 0,
+                                                keep_bytes=self.cfg.logits_keep_mb * 2**20),
                                     self.ctx, self.device.type, self.cfg.compile)
         self.reference = self._reference()
         self.optimizer = build_optimizer(self.policy, self.cfg)
