@@ -2,16 +2,17 @@
 
 msgpack lists of numbers encode ~20x slower than raw buffers, so every numpy array in a
 message travels as the triple ``[dtype, shape, raw bytes]`` (e.g. ``["<i4", [1024], b"..."]``).
-The pydantic array types below turn that triple back into a read-only numpy view of the bytes
-(copy before writing into it). Plain lists are accepted too, for convenience when building messages.
+A message's array fields are typed :class:`Int32Array`, :class:`Float32Array` or :class:`BoolArray`: msgspec
+checks the triple as it decodes, and :func:`as_array` makes it a read-only numpy view of the entry's bytes (copy
+before writing into it). Built in process, a field takes a numpy array or a plain list.
 """
 
 import math
-from typing import Annotated, Any
+import warnings
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
-from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 
 from bus.errors import DecodeError
 
@@ -49,15 +50,6 @@ def from_wire(value: list | tuple) -> np.ndarray:
         raise ValueError(f"wire array [{dtype_str!r}, {shape!r}, {len(raw)} bytes] is not an array: {e}") from e
 
 
-def _is_wire(value: Any) -> bool:
-    return (
-        isinstance(value, (list, tuple))
-        and len(value) == 3
-        and isinstance(value[0], str)
-        and isinstance(value[2], (bytes, bytearray, memoryview))
-    )
-
-
 def _encode_hook(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return to_wire(value)
@@ -85,31 +77,61 @@ def unpackb(data: bytes) -> Any:
         raise DecodeError(f"not valid msgpack: {type(e).__name__}: {e}") from e
 
 
-def _coercer(dtype: np.dtype):
-    wire_str, itemsize, frombuffer = dtype.str, dtype.itemsize, np.frombuffer
+class Int32Array(msgspec.Struct, array_like=True, gc=False):
+    """The type of an int32 array field. Decoding reads the wire triple into this struct (the dtype must be
+    ``<i4``, the shape one length, the bytes a view of the entry's, not a copy); the message's ``__post_init__``
+    then puts the numpy view in its place (:func:`as_array`), so the field always holds an ``np.ndarray``."""
 
-    def coerce(value: Any) -> np.ndarray:
-        # Hot path: a 1-D wire triple of exactly this dtype whose bytes fit its shape, as msgpack decodes it.
-        if type(value) is list and len(value) == 3 and value[0] == wire_str:
-            shape, raw = value[1], value[2]
-            if type(raw) is bytes and type(shape) is list and len(shape) == 1 and len(raw) == shape[0] * itemsize:
-                return frombuffer(raw, dtype=dtype)
+    dtype: Literal["<i4"]
+    shape: tuple[int]
+    data: memoryview
+
+
+class Float32Array(msgspec.Struct, array_like=True, gc=False):
+    """The type of a float32 array field (``<f4``), read as :class:`Int32Array` is."""
+
+    dtype: Literal["<f4"]
+    shape: tuple[int]
+    data: memoryview
+
+
+class BoolArray(msgspec.Struct, array_like=True, gc=False):
+    """The type of a bool array field (``|b1``), read as :class:`Int32Array` is."""
+
+    dtype: Literal["|b1"]
+    shape: tuple[int]
+    data: memoryview
+
+
+INT32, FLOAT32, BOOL = np.dtype("<i4"), np.dtype("<f4"), np.dtype("|b1")
+"""The dtypes of message arrays."""
+
+
+def as_array(value: Any, dtype: np.dtype, name: str) -> np.ndarray:
+    """``value`` as a 1-D array of ``dtype``: as it is when it already is one; a decoded wire array as a read-only
+    view of its bytes; a list converted, or an array cast within its kind (int64 → int32, float64 → float32,
+    bool → int). Anything else raises ValueError naming ``name``."""
+    kind = type(value)
+    if kind is np.ndarray and value.dtype is dtype and value.ndim == 1:  # hot path: built in process
+        return value
+    if kind in _WIRE_TYPES:  # hot path: decoded (its dtype and shape already checked)
+        raw, count = value.data, value.shape[0]
+        if len(raw) != count * dtype.itemsize:
+            raise ValueError(f"{name} has {len(raw)} bytes for {count} {dtype.name} values")
+        return np.frombuffer(raw, dtype=dtype)
+    try:
         if isinstance(value, np.ndarray):
-            array = value if value.dtype == dtype else value.astype(dtype)
-        elif _is_wire(value):
-            array = from_wire(value)
-            if array.dtype != dtype:
-                raise ValueError(f"expected dtype {dtype.str}, got {array.dtype.str}")
+            array = value.astype(dtype, casting="same_kind")
         else:
-            try:
-                array = np.asarray(value, dtype=dtype)
-            except (TypeError, ValueError, OverflowError) as e:
-                raise ValueError(f"expected a list of {dtype.name} values: {e}") from e
-        if array.ndim != 1:
-            raise ValueError(f"expected a 1-D array, got shape {array.shape}")
-        return array
+            array = np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{name} must be {dtype.name} values: {e}") from e
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array, got shape {array.shape}")
+    return array
 
-    return coerce
+
+_WIRE_TYPES = frozenset([Int32Array, Float32Array, BoolArray])
 
 
 def check_lengths(expected: int, unit: str, **arrays: np.ndarray | None) -> None:
@@ -127,30 +149,37 @@ def check_token_ids(*arrays: np.ndarray) -> None:
 
 
 def check_finite(**arrays: np.ndarray | None) -> None:
-    """Every value is finite. Hot path: one float64 sum is finite exactly when every float32 in it is."""
+    """Every value of each 1-D float array is finite."""
     for name, array in arrays.items():
-        if array is not None and len(array) and not math.isfinite(array.sum(dtype=np.float64)):
+        if array is not None and len(array) and not all_finite(array):
             raise ValueError(f"{name} are not all finite (NaN or inf)")
 
 
-def _array_type(dtype: Any) -> Any:
-    dt = np.dtype(dtype)
-    return Annotated[
-        np.ndarray,
-        BeforeValidator(_coercer(dt)),
-        PlainSerializer(lambda a: a.tolist(), when_used="json"),
-        WithJsonSchema({"type": "array", "items": {"type": "number"}}),
-    ]
+def all_finite(array: np.ndarray) -> bool:
+    """Whether every value of a 1-D float array is finite.
+
+    Hot path: the dot product with zeros (one BLAS call, a fifth of a float64 sum's time at 1024 values) is 0 when
+    every value is finite and NaN when any is not (0 × inf and 0 × NaN are NaN); it cannot overflow.
+    """
+    return math.isfinite(array.dot(_zeros(array.dtype, len(array))))
 
 
-Int32Array = _array_type(np.int32)
-"""A 1-D int32 array (token ids, positions, lengths)."""
-Float32Array = _array_type(np.float32)
-"""A 1-D float32 array (logprobs, advantages, temperatures)."""
-BoolArray = _array_type(np.bool_)
-"""A 1-D bool array (loss masks)."""
+warnings.filterwarnings("ignore", "invalid value encountered in dot", RuntimeWarning, __name__)
+"""A non-finite value is what :func:`all_finite` looks for, not a fault to warn about."""
+
+_ZEROS: dict[np.dtype, np.ndarray] = {}
+"""A zeros vector per float dtype, as long as the longest array checked so far."""
+
+
+def _zeros(dtype: np.dtype, n: int) -> np.ndarray:
+    zeros = _ZEROS.get(dtype)
+    if zeros is None or len(zeros) < n:
+        zeros = _ZEROS[dtype] = np.zeros(max(n, 4096), dtype)
+        zeros.flags.writeable = False
+    return zeros[:n]
+
 
 __all__ = [
-    "BoolArray", "DecodeError", "Float32Array", "Int32Array", "check_finite", "check_lengths", "check_token_ids",
-    "from_wire", "packb", "to_wire", "unpackb",
+    "BOOL", "FLOAT32", "INT32", "BoolArray", "DecodeError", "Float32Array", "Int32Array", "all_finite", "as_array",
+    "check_finite", "check_lengths", "check_token_ids", "from_wire", "packb", "to_wire", "unpackb",
 ]

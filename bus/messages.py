@@ -1,29 +1,39 @@
-"""Every message on the bus, as pydantic models with ``to_fields()`` / ``from_fields()``.
+"""Every message on the bus, as msgspec structs with ``to_fields()`` / ``from_fields()``.
 
 A stream entry is a flat map: readable header fields first (``kind``, ``v`` and a few values a
 person reads with ``redis-cli XRANGE``), then ``data``: the whole message as msgpack, arrays as
 raw bytes. ``from_fields`` reads only ``kind``, ``v`` and ``data``; the header is for people.
+
+Decoding validates everything before a worker sees it: msgspec checks each field's type and rejects unknown
+fields as it reads the bytes (in C, straight into the struct; an array's dtype and shape too), and each struct's
+``__post_init__`` checks the rest (an array's bytes against its shape, bounds, lengths that must agree, finite
+values). The
+same ``__post_init__`` runs when a worker builds a message, so a bad one fails where it is made; types are checked
+only on decode (a struct built in process takes its fields as given).
 """
 
-import functools
+import math
 import time
 import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
+import msgspec
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from bus.arrays import (
+    BOOL,
+    FLOAT32,
+    INT32,
     BoolArray,
     Float32Array,
     Int32Array,
+    all_finite,
+    as_array,
     check_finite,
     check_lengths,
     check_token_ids,
     packb,
-    to_wire,
-    unpackb,
 )
 from bus.errors import DecodeError
 from bus.resp import as_str
@@ -35,11 +45,16 @@ MODES: tuple[Mode, ...] = typing.get_args(Mode)
 """Every mode, in the order a step's micro-batches are packed and its losses reported."""
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", validate_assignment=False)
+class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
+    """Base of every message and of the structs inside them: keyword fields, unknown fields rejected on decode, not
+    tracked by the garbage collector (a message holds no reference cycle)."""
+
+    def replace(self, **changes: Any) -> typing.Self:
+        """A copy with ``changes``, checked like a new one (its ``__post_init__`` runs)."""
+        return msgspec.structs.replace(self, **changes)
 
 
-class Message(_Model):
+class Message(Struct, kw_only=True):
     """Base of every stream message."""
 
     KIND: ClassVar[str]
@@ -53,13 +68,13 @@ class Message(_Model):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = _header_text(value)
-        fields["data"] = packb(_plain(self))
+        fields["data"] = packb(self)
         return fields
 
     @classmethod
     def from_fields(cls, fields: Mapping[Any, Any]) -> "Message":
         """Decode a stream entry of this kind; any problem raises DecodeError."""
-        kind = _text(_get(fields, "kind"))
+        kind = _text(_get(fields, b"kind"))
         if kind != cls.KIND:
             raise DecodeError(f"expected a {cls.KIND!r} entry, got kind {kind!r}")
         return _decode(cls, fields)
@@ -67,38 +82,46 @@ class Message(_Model):
 
 def decode(fields: Mapping[Any, Any]) -> Message:
     """Decode a stream entry of any known kind; any problem raises DecodeError."""
-    kind = _text(_get(fields, "kind"))
+    kind = _text(_get(fields, b"kind"))
     cls = MESSAGE_KINDS.get(kind)
     if cls is None:
         raise DecodeError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_KINDS)}")
     return _decode(cls, fields)
 
 
+_MAP_HEADS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+"""First byte of a msgpack map (fixmap, map 16, map 32)."""
+
+
 def _decode(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
-    raw_v = _text(_get(fields, "v"))
+    raw_v = _get(fields, b"v")
     try:
         version = int(raw_v)
     except ValueError as e:
-        raise DecodeError(f"schema version v={raw_v!r} is not an integer") from e
+        raise DecodeError(f"schema version v={_text(raw_v)!r} is not an integer") from e
     if version > cls.V:
         raise DecodeError(
             f"{cls.KIND} schema v={version} is newer than this reader's v={cls.V}; upgrade rlbus on this worker"
         )
-    payload = unpackb(_get(fields, "data"))
-    if not isinstance(payload, dict):
-        raise DecodeError(f"{cls.KIND} data is a {type(payload).__name__}, expected a map")
+    data = _get(fields, b"data")
     try:
-        return cls.__pydantic_validator__.validate_python(payload)
-    except (ValidationError, TypeError, ValueError, OverflowError) as e:  # whatever the bytes were
+        return _DECODERS[cls].decode(data)
+    except msgspec.ValidationError as e:
+        if data[:1] and data[0] not in _MAP_HEADS:
+            raise DecodeError(f"{cls.KIND} data: expected a map ({e})") from e
+        raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
+    except msgspec.DecodeError as e:
+        raise DecodeError(f"not valid msgpack: {e}") from e
+    except (TypeError, ValueError, OverflowError) as e:  # whatever the bytes were
         raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
 
 
-def _get(fields: Mapping[Any, Any], name: str) -> Any:
-    value = fields.get(name.encode())
+def _get(fields: Mapping[Any, Any], name: bytes) -> Any:
+    value = fields.get(name)
     if value is None:
-        value = fields.get(name)
+        value = fields.get(name.decode())
     if value is None:
-        raise DecodeError(f"entry has no {name!r} field (fields: {sorted(as_str(k) for k in fields)})")
+        raise DecodeError(f"entry has no {name.decode()!r} field (fields: {sorted(as_str(k) for k in fields)})")
     return value
 
 
@@ -122,34 +145,14 @@ def _header_text(value: Any) -> str:
     return str(value)
 
 
-def _holds_arrays_or_models(annotation: Any) -> bool:
-    """True when a field annotation can hold numpy arrays or pydantic models (at any depth)."""
-    if isinstance(annotation, type) and issubclass(annotation, (np.ndarray, BaseModel)):
-        return True
-    return any(_holds_arrays_or_models(arg) for arg in typing.get_args(annotation))
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
 
 
-@functools.cache
-def _convert_fields(cls: type[BaseModel]) -> tuple[str, ...]:
-    """Fields of ``cls`` that :func:`_plain` must convert; the others go to msgpack as they are."""
-    return tuple(name for name, f in cls.model_fields.items() if _holds_arrays_or_models(f.annotation))
-
-
-def _plain(model: BaseModel) -> dict[str, Any]:
-    """A message as dicts/lists/scalars/wire arrays for msgpack, without pydantic's dump machinery.
-
-    Hot path: only the fields that can hold arrays or models are looked at.
-    """
-    out = dict(model.__dict__)
-    for name in _convert_fields(type(model)):
-        value = out[name]
-        if type(value) is np.ndarray:
-            out[name] = to_wire(value)
-        elif isinstance(value, BaseModel):
-            out[name] = _plain(value)
-        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
-            out[name] = [_plain(v) for v in value]
-    return out
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 def training_task_id(env: str, epoch: int, position: int) -> str:
@@ -166,7 +169,7 @@ def task_position(task_id: str) -> tuple[str, int, int] | None:
     return env, int(epoch), int(rest)
 
 
-class Task(Message):
+class Task(Message, kw_only=True):
     """One example to roll out as a group: feeder → ``tasks:{env}`` → rollout workers."""
 
     KIND: ClassVar[str] = "task"
@@ -176,74 +179,96 @@ class Task(Message):
     """Unique id of this task within the run (``{env}:{epoch}:{position}`` for training tasks)."""
     env: str
     """Name of the environment the example comes from."""
-    example_index: int = Field(ge=0)
-    """Index of the example in the environment's dataset."""
+    example_index: int
+    """Index of the example in the environment's dataset (>= 0)."""
     example_id: str
     """Stable id of the example (the env's own id, or the index as text)."""
-    epoch: int = Field(0, ge=0)
-    """Pass over the dataset this task belongs to."""
-    group_size: int = Field(ge=1)
-    """Completions to sample for this example."""
+    epoch: int = 0
+    """Pass over the dataset this task belongs to (>= 0)."""
+    group_size: int
+    """Completions to sample for this example (>= 1)."""
     mode: Mode = "rl"
     """Training mode of the samples this task produces."""
     eval_step: int | None = None
     """For eval tasks: the policy version to evaluate; eval tasks are never dropped as stale."""
-    issued_at: float = Field(default_factory=time.time)
+    issued_at: float = msgspec.field(default_factory=time.time)
     """Unix time the feeder issued the task."""
 
+    def __post_init__(self) -> None:
+        _at_least("example_index", self.example_index, 0)
+        _at_least("epoch", self.epoch, 0)
+        _at_least("group_size", self.group_size, 1)
 
-class Sample(_Model):
+
+class Sample(Struct, kw_only=True):
     """One completion of a group, with everything the trainer needs."""
 
     prompt_ids: Int32Array
-    """Token ids of the prompt (the first turn's chat template output)."""
+    """Token ids of the prompt (the first turn's chat template output), int32."""
     completion_ids: Int32Array
-    """Token ids after the prompt: model turns and, in multi-turn episodes, environment turns."""
+    """Token ids after the prompt: model turns and, in multi-turn episodes, environment turns (int32)."""
     completion_logprobs: Float32Array
-    """Inference logprob of each completion token (0 where loss_mask is 0)."""
+    """Inference logprob of each completion token (0 where loss_mask is 0), float32."""
     loss_mask: BoolArray
-    """True for tokens the model sampled (trained on), False for environment/tool tokens."""
+    """True for tokens the model sampled (trained on), False for environment/tool tokens (bool)."""
     teacher_logprobs: Float32Array | None = None
-    """Teacher logprob of each completion token (opd mode)."""
-    reward: float = Field(0.0, allow_inf_nan=False)
+    """Teacher logprob of each completion token (opd), float32."""
+    reward: float = 0.0
     """Weighted sum of the rubric's reward functions (finite)."""
-    advantage: float = Field(0.0, allow_inf_nan=False)
+    advantage: float = 0.0
     """Advantage, set by the filter; broadcast over the loss-masked tokens (finite)."""
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
     """Each reward function's value (and other per-sample numbers), by name."""
     policy_version_start: int = 0
     """Policy version served when generation of this sample started."""
     policy_version_end: int = 0
     """Policy version served when generation of this sample ended."""
-    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
-    """Sampling temperature the completion tokens were drawn at (the trainer divides logits by it)."""
-    flags: dict[str, bool] = Field(default_factory=dict)
+    temperature: float = 1.0
+    """Sampling temperature the completion tokens were drawn at (the trainer divides logits by it; finite, >= 0)."""
+    flags: dict[str, bool] = msgspec.field(default_factory=dict)
     """Filter annotations: filter type → flagged."""
     is_truncated: bool = False
     """True when generation stopped at the token limit rather than at EOS/done."""
     turns: int = 1
     """Model turns in the episode."""
     mode: Mode = "rl"
-    """Training mode (which loss trains it); always its group's mode (taken from the group when unset)."""
+    """Training mode (which loss trains it); always its group's mode."""
     task_id: str = ""
-    """The task this sample answers: always its group's (taken from the group when unset)."""
-    index: int = Field(0, ge=0)
-    """Its place in the group as the rollout made it, kept through filtering (set by the group when unset)."""
+    """The task this sample answers, always its group's. A sample joins its group while this is unset (""): it then
+    takes the group's task id and mode, and its position in the group as ``index``."""
+    index: int = 0
+    """Its place in the group as the rollout made it, kept through filtering (>= 0)."""
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "Sample":
-        n = len(self.completion_ids)
-        check_lengths(n, "completion tokens", completion_logprobs=self.completion_logprobs, loss_mask=self.loss_mask,
-                     teacher_logprobs=self.teacher_logprobs)
-        check_finite(completion_logprobs=self.completion_logprobs, teacher_logprobs=self.teacher_logprobs)
-        return self  # token ids against the vocabulary: the packer's check (it knows the vocabulary)
+    def __post_init__(self) -> None:
+        # Hot path (every decoded sample): each check in one expression, its message only when it fails.
+        self.prompt_ids = as_array(self.prompt_ids, INT32, "prompt_ids")
+        self.completion_ids = completion = as_array(self.completion_ids, INT32, "completion_ids")
+        self.completion_logprobs = logprobs = as_array(self.completion_logprobs, FLOAT32, "completion_logprobs")
+        self.loss_mask = mask = as_array(self.loss_mask, BOOL, "loss_mask")
+        teacher = self.teacher_logprobs
+        if teacher is not None:
+            self.teacher_logprobs = teacher = as_array(teacher, FLOAT32, "teacher_logprobs")
+        n = len(completion)
+        if len(logprobs) != n or len(mask) != n or (teacher is not None and len(teacher) != n):
+            check_lengths(n, "completion tokens", completion_logprobs=logprobs, loss_mask=mask,
+                          teacher_logprobs=teacher)
+        if n and not (all_finite(logprobs) and (teacher is None or all_finite(teacher))):
+            check_finite(completion_logprobs=logprobs, teacher_logprobs=teacher)
+        if not (math.isfinite(self.reward) and math.isfinite(self.advantage) and 0 <= self.temperature < math.inf
+                and self.index >= 0):
+            _finite("reward", self.reward)
+            _finite("advantage", self.advantage)
+            _finite("temperature", self.temperature)
+            _at_least("temperature", self.temperature, 0)
+            _at_least("index", self.index, 0)
+        # token ids against the vocabulary: the packer's check (it knows the vocabulary)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
-class RolloutGroup(Message):
+class RolloutGroup(Message, kw_only=True):
     """The scored completions of one task: rollout → ``rollouts:{env}`` → filter → ``filtered:{env}``."""
 
     KIND: ClassVar[str] = "rollout_group"
@@ -267,28 +292,20 @@ class RolloutGroup(Message):
     """The completions."""
     eval_step: int | None = None
     """Set for eval groups (never trained on)."""
-    timings: dict[str, float] = Field(default_factory=dict)
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
     """Seconds spent per phase (``wait_gate_s``, ``generate_s``, ``env_s``, ``score_s``, ``total_s``)."""
-    created_at: float = Field(default_factory=time.time)
+    created_at: float = msgspec.field(default_factory=time.time)
     """Unix time the group was published."""
 
-    @model_validator(mode="after")
-    def _samples_belong_to_the_group(self) -> "RolloutGroup":
+    def __post_init__(self) -> None:
         for position, sample in enumerate(self.samples):
-            given = sample.model_fields_set
-            if "mode" not in given:
-                sample.mode = self.mode
-            elif sample.mode != self.mode:
-                raise ValueError(f"a sample has mode {sample.mode!r} in a group of mode {self.mode!r}")
-            if "task_id" not in given:
-                sample.task_id = self.task_id
+            if not sample.task_id:  # joins the group
+                sample.task_id, sample.mode, sample.index = self.task_id, self.mode, position
             elif sample.task_id != self.task_id:
                 raise ValueError(f"a sample of task {sample.task_id!r} in the group of task {self.task_id!r}")
-            if "index" not in given:
-                sample.index = position
-        return self
+            elif sample.mode != self.mode:
+                raise ValueError(f"a sample has mode {sample.mode!r} in a group of mode {self.mode!r}")
 
-    @computed_field  # type: ignore[prop-decorator]
     @property
     def policy_version(self) -> int:
         """Oldest start version of any sample: the version that gates staleness."""
@@ -307,7 +324,7 @@ class RolloutGroup(Message):
         return len(self.samples)
 
 
-class MicroBatch(Message):
+class MicroBatch(Message, kw_only=True):
     """One packed micro-batch of step ``s``: packer → ``batches:{s}`` → trainer.
 
     All per-token arrays are aligned with ``input_ids``: entry ``t`` describes token ``t``
@@ -317,38 +334,38 @@ class MicroBatch(Message):
     KIND: ClassVar[str] = "micro_batch"
     HEADER: ClassVar[tuple[str, ...]] = ("step", "index", "count", "mode", "tokens", "samples")
 
-    step: int = Field(ge=1)
-    """Training step this micro-batch belongs to."""
-    index: int = Field(ge=0)
-    """Position of this micro-batch within the step."""
-    count: int = Field(ge=1)
-    """Number of micro-batches in the step."""
+    step: int
+    """Training step this micro-batch belongs to (>= 1)."""
+    index: int
+    """Position of this micro-batch within the step (>= 0)."""
+    count: int
+    """Number of micro-batches in the step (>= 1)."""
     mode: Mode
     """Loss to apply: rl, opd or sft."""
     input_ids: Int32Array
-    """Packed token ids of every sample, concatenated."""
+    """Packed token ids of every sample, concatenated (int32)."""
     position_ids: Int32Array
-    """Position of each token within its own sample (restarts at 0 per sample)."""
+    """Position of each token within its own sample (restarts at 0 per sample; int32)."""
     loss_mask: BoolArray
-    """True on completion tokens that count in the loss."""
+    """True on completion tokens that count in the loss (bool)."""
     advantages: Float32Array
-    """Advantage per token (the sample's advantage on its loss tokens, 0 elsewhere)."""
+    """Advantage per token (the sample's advantage on its loss tokens, 0 elsewhere; float32)."""
     inference_logprobs: Float32Array
-    """Inference logprob per token (0 off the loss mask)."""
+    """Inference logprob per token (0 off the loss mask; float32)."""
     teacher_logprobs: Float32Array | None = None
-    """Teacher logprob per token (opd), 0 off the loss mask."""
+    """Teacher logprob per token (opd), 0 off the loss mask (float32)."""
     temperatures: Float32Array
-    """Sampling temperature per token (its sample's temperature)."""
+    """Sampling temperature per token (its sample's temperature; float32)."""
     sample_lengths: Int32Array
-    """Token count of each packed sample, in order (sums to len(input_ids))."""
+    """Token count of each packed sample, in order (sums to len(input_ids); int32)."""
     policy_versions: Int32Array
-    """Start policy version of each packed sample (for the steps-off-policy metric)."""
+    """Start policy version of each packed sample (for the steps-off-policy metric; int32)."""
     rewards: Float32Array
-    """Reward of each packed sample (for metrics)."""
-    task_ids: list[str] = Field(default_factory=list)
+    """Reward of each packed sample (for metrics; float32)."""
+    task_ids: list[str] = msgspec.field(default_factory=list)
     """The task of each packed sample ("" for a padding sample; empty in batches recorded before these existed)."""
-    sample_indices: Int32Array = Field(default_factory=lambda: np.zeros(0, np.int32))
-    """Each packed sample's index in its group: with ``task_ids``, what was trained, auditable."""
+    sample_indices: Int32Array = msgspec.field(default_factory=lambda: np.zeros(0, INT32))
+    """Each packed sample's index in its group (int32): with ``task_ids``, what was trained, auditable."""
 
     @property
     def tokens(self) -> int:
@@ -362,37 +379,54 @@ class MicroBatch(Message):
     def loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "MicroBatch":
+    def __post_init__(self) -> None:
+        _at_least("step", self.step, 1)
+        _at_least("index", self.index, 0)
+        _at_least("count", self.count, 1)
         if self.index >= self.count:
             raise ValueError(f"index {self.index} is not below count {self.count}")
+        for name, dtype in _MICRO_BATCH_ARRAYS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, as_array(value, dtype, name))
         n, k = len(self.input_ids), len(self.sample_lengths)
         check_lengths(n, "tokens", position_ids=self.position_ids, loss_mask=self.loss_mask,
-                     advantages=self.advantages, inference_logprobs=self.inference_logprobs,
-                     teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures)
+                      advantages=self.advantages, inference_logprobs=self.inference_logprobs,
+                      teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures)
         check_lengths(k, "samples", policy_versions=self.policy_versions, rewards=self.rewards,
-                     task_ids=self.task_ids or None, sample_indices=self.sample_indices if len(self.sample_indices) else None)
+                      task_ids=self.task_ids or None,
+                      sample_indices=self.sample_indices if len(self.sample_indices) else None)
         if int(self.sample_lengths.sum(dtype=np.int64)) != n or (k and int(self.sample_lengths.min()) < 1):
             raise ValueError(f"sample_lengths sum to {int(self.sample_lengths.sum(dtype=np.int64))} but the "
                              f"micro-batch has {n} tokens (each sample needs at least one)")
         check_token_ids(self.input_ids)
         check_finite(advantages=self.advantages, inference_logprobs=self.inference_logprobs,
-                teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures, rewards=self.rewards)
-        return self
+                     teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures, rewards=self.rewards)
 
 
-class WeightFile(_Model):
+_MICRO_BATCH_ARRAYS = (
+    ("input_ids", INT32), ("position_ids", INT32), ("loss_mask", BOOL), ("advantages", FLOAT32),
+    ("inference_logprobs", FLOAT32), ("teacher_logprobs", FLOAT32), ("temperatures", FLOAT32),
+    ("sample_lengths", INT32), ("policy_versions", INT32), ("rewards", FLOAT32), ("sample_indices", INT32),
+)
+"""MicroBatch's array fields and their dtypes."""
+
+
+class WeightFile(Struct, kw_only=True):
     """One safetensors shard of a weight update."""
 
     name: str
     """File name inside the update's directory."""
-    bytes: int = Field(ge=0)
-    """File size in bytes."""
+    bytes: int
+    """File size in bytes (>= 0)."""
     sha256: str
     """Hex sha256 of the file."""
 
+    def __post_init__(self) -> None:
+        _at_least("bytes", self.bytes, 0)
 
-class WeightTensor(_Model):
+
+class WeightTensor(Struct, kw_only=True):
     """One tensor of an nccl/gloo broadcast, in broadcast order."""
 
     name: str
@@ -403,20 +437,20 @@ class WeightTensor(_Model):
     """Tensor shape."""
 
 
-class WeightUpdate(Message):
+class WeightUpdate(Message, kw_only=True):
     """New weights after step ``step``: trainer → ``weights`` → every inference server."""
 
     KIND: ClassVar[str] = "weight_update"
     V: ClassVar[int] = 2
     HEADER: ClassVar[tuple[str, ...]] = ("step", "format", "dir", "adapter")
 
-    step: int = Field(ge=0)
-    """Training step that produced these weights."""
+    step: int
+    """Training step that produced these weights (>= 0)."""
     format: Literal["safetensors", "nccl"]
     """``safetensors``: read the shards from ``dir``; ``nccl``: join the broadcast at host:port."""
     dir: str | None = None
     """Directory holding the shards (safetensors)."""
-    files: list[WeightFile] = Field(default_factory=list)
+    files: list[WeightFile] = msgspec.field(default_factory=list)
     """The shard files with sizes and checksums (safetensors)."""
     host: str | None = None
     """Rendezvous host of the broadcast (nccl)."""
@@ -424,23 +458,27 @@ class WeightUpdate(Message):
     """Rendezvous port of the broadcast (nccl)."""
     world_size: int | None = None
     """Processes in the broadcast group, trainer rank 0 included (nccl)."""
-    tensors: list[WeightTensor] = Field(default_factory=list)
+    tensors: list[WeightTensor] = msgspec.field(default_factory=list)
     """Tensor manifest in broadcast order (nccl)."""
     adapter: str | None = None
     """LoRA: the adapter's name for this version (``{model.lora name}-step{step}``); ``dir`` then holds a PEFT
     adapter (adapter_config.json + adapter_model.safetensors) to apply over the base model, not whole weights (v2)."""
-    created_at: float = Field(default_factory=time.time)
+    created_at: float = msgspec.field(default_factory=time.time)
     """Unix time of publication."""
+
+    def __post_init__(self) -> None:
+        _at_least("step", self.step, 0)
 
     def to_fields(self) -> dict[str, bytes | str]:
         """An update without an adapter is written as v1 (no ``adapter`` field), which older readers still take."""
         fields = super().to_fields()
         if self.adapter is None:
-            fields["v"], fields["data"] = "1", packb({k: v for k, v in _plain(self).items() if k != "adapter"})
+            plain = {name: getattr(self, name) for name in self.__struct_fields__ if name != "adapter"}
+            fields["v"], fields["data"] = "1", packb(plain)
         return fields
 
 
-class PolicyVersion(Message):
+class PolicyVersion(Message, kw_only=True):
     """A policy version event: ``trained`` by the trainer, ``served`` by an inference server."""
 
     KIND: ClassVar[str] = "policy_version"
@@ -448,15 +486,18 @@ class PolicyVersion(Message):
 
     role: Literal["trained", "served"]
     """Who reports: the trainer (weights of step written) or an inference server (now serving)."""
-    step: int = Field(ge=0)
-    """The policy version (training step)."""
+    step: int
+    """The policy version (training step, >= 0)."""
     server: str = ""
     """Id of the inference server (``served`` only)."""
-    at: float = Field(default_factory=time.time)
+    at: float = msgspec.field(default_factory=time.time)
     """Unix time of the event."""
 
+    def __post_init__(self) -> None:
+        _at_least("step", self.step, 0)
 
-class Metric(Message):
+
+class Metric(Message, kw_only=True):
     """Numbers a worker reports: → ``metrics`` → status display and metrics writers."""
 
     KIND: ClassVar[str] = "metric"
@@ -468,11 +509,11 @@ class Metric(Message):
     """Training step the numbers belong to, if any."""
     values: dict[str, float]
     """Metric name → value (names like ``loss/rl``, ``reward/mean``)."""
-    at: float = Field(default_factory=time.time)
+    at: float = msgspec.field(default_factory=time.time)
     """Unix time of the report."""
 
 
-class DeadLetter(Message):
+class DeadLetter(Message, kw_only=True):
     """An entry that failed ``max_retries`` times or could not be decoded: → ``dead``."""
 
     KIND: ClassVar[str] = "dead_letter"
@@ -488,12 +529,15 @@ class DeadLetter(Message):
     """Consumer that gave up on it."""
     deliveries: int = 0
     """Times it had been delivered."""
-    fields: dict[str, bytes] = Field(default_factory=dict)
+    fields: dict[str, bytes] = msgspec.field(default_factory=dict)
     """The original entry, field by field."""
-    at: float = Field(default_factory=time.time)
+    at: float = msgspec.field(default_factory=time.time)
     """Unix time it was dead-lettered."""
 
 
 MESSAGE_KINDS: dict[str, type[Message]] = {
     cls.KIND: cls for cls in (Task, RolloutGroup, MicroBatch, WeightUpdate, PolicyVersion, Metric, DeadLetter)
 }
+
+_DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in MESSAGE_KINDS.values()}
+"""One typed decoder per message kind: the bytes go straight into the struct, every field checked as it is read."""

@@ -53,7 +53,7 @@ def _entry_id(entry_id: str) -> tuple[int, int]:
 
 def entry_size(fields: dict[bytes, bytes]) -> int:
     """Bytes of an entry's field names and values."""
-    return sum(len(k) + len(v) for k, v in fields.items())
+    return sum(map(len, fields)) + sum(map(len, fields.values()))
 
 
 def reconnect_tries(timeout_s: float) -> int:
@@ -131,19 +131,16 @@ class Bus:
             return min(self.cfg.maxlen, self.cfg.events_maxlen)
         return self.cfg.maxlen
 
-    def _xadd(self, target: Any, stream: str, message: Message | dict) -> Any:
-        fields = message if isinstance(message, dict) else message.to_fields()
-        return target.xadd(stream, fields, maxlen=self._maxlen(stream), approximate=True)
-
     async def publish(self, stream: str, message: Message) -> str:
         """XADD one message (fan-out streams: ``MAXLEN ~ redis.maxlen``); returns its entry id."""
-        return as_str(await self._xadd(self.redis, stream, message))
+        return as_str(await self.redis.xadd(stream, message.to_fields(), maxlen=self._maxlen(stream)))
 
     async def publish_many(self, stream: str, messages: list[Message]) -> list[str]:
         """XADD several messages in one pipeline round trip; returns their entry ids."""
+        maxlen = self._maxlen(stream)
         pipe = self.redis.pipeline(transaction=False)
         for message in messages:
-            self._xadd(pipe, stream, message)
+            pipe.xadd(stream, message.to_fields(), maxlen=maxlen)
         return [as_str(i) for i in await pipe.execute()]
 
     # Consumer groups.

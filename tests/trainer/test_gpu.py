@@ -147,7 +147,7 @@ def test_cuda_train_step_in_bf16_lowers_the_loss_and_reports_mfu(tmp_path):
         assert 0 < mixed["mfu"] < 1, mixed["mfu"]
     sft = [micro_batch(2, 0, 1, [(8, 120), (5, 90)], mode="sft")]
     first = step(sft, 2)
-    second = step([mb.model_copy(update={"step": 3}) for mb in sft], 3)
+    second = step([mb.replace(step=3) for mb in sft], 3)
     assert second["loss/sft"] < first["loss/sft"] - 1e-2, (first["loss/sft"], second["loss/sft"])
 
 

@@ -19,7 +19,7 @@ def test_one_step_lowers_the_loss_of_a_fixed_batch():
     policy, opt, sched = setup_policy(lr=1e-2)
     mbs = [micro_batch(1, 0, 1, [(3, 12), (2, 10)], mode="sft")]
     first = run_step(policy, opt, sched, mbs)
-    second = run_step(policy, opt, sched, [mb.model_copy(update={"step": 2}) for mb in mbs], step=2)
+    second = run_step(policy, opt, sched, [mb.replace(step=2) for mb in mbs], step=2)
     assert second["loss/sft"] < first["loss/sft"] - 1e-3
     for key in ("entropy", "grad_norm", "lr", "tokens_per_s", "masked_fraction", "step_time_s"):
         assert key in first
@@ -44,9 +44,9 @@ def test_split_micro_batches_normalise_like_one_packed_batch():
     a = whole[0]
     cut = 10 + 7
     split = [
-        a.model_copy(update=dict(index=i, count=2, **{f: getattr(a, f)[sl] for f in (
+        a.replace(index=i, count=2, **{f: getattr(a, f)[sl] for f in (
             "input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")},
-            sample_lengths=a.sample_lengths[sn], policy_versions=a.policy_versions[sn], rewards=a.rewards[sn]))
+            sample_lengths=a.sample_lengths[sn], policy_versions=a.policy_versions[sn], rewards=a.rewards[sn])
         for i, (sl, sn) in enumerate([(slice(0, cut), slice(0, 2)), (slice(cut, None), slice(2, None))])
     ]
     m1, g1 = step_gradients(whole)
@@ -101,7 +101,7 @@ def test_kl_penalty_shifts_each_rl_advantage_by_the_reference_log_ratio(forward_
             lp = policy(b.input_ids, b.position_ids, b.temperatures).logprobs
             ref = other(b.input_ids, b.position_ids, b.temperatures).logprobs
             adv = mb.advantages - coef * (lp - ref).numpy()
-            shifted.append(mb.model_copy(update={"advantages": adv.astype("float32")}))
+            shifted.append(mb.replace(advantages=adv.astype("float32")))
     m3, g3 = step_gradients(shifted, forward_batch=forward_batch)
     assert m2["kl_ref"] != 0 and m2["loss/rl"] == pytest.approx(m3["loss/rl"], rel=1e-5)
     assert_same_gradients(g2, g3, atol=1e-5)
@@ -110,9 +110,9 @@ def test_kl_penalty_shifts_each_rl_advantage_by_the_reference_log_ratio(forward_
 @pytest.mark.parametrize("forward_batch", [1, 2])
 def test_an_entropy_bonus_alone_raises_the_entropy_and_leaves_other_modes_alone(forward_batch):
     rl = [micro_batch(1, i, 2, [(3, 8), (2, 6)], mode="rl", seed=3) for i in range(2)]
-    flat = [mb.model_copy(update={"advantages": mb.advantages * 0}) for mb in rl]  # no policy-gradient signal
+    flat = [mb.replace(advantages=mb.advantages * 0) for mb in rl]  # no policy-gradient signal
     policy, opt, sched = setup_policy(lr=1e-2, entropy_grad=True)
-    entropies = [run_step(policy, opt, sched, [mb.model_copy(update={"step": s}) for mb in flat], step=s,
+    entropies = [run_step(policy, opt, sched, [mb.replace(step=s) for mb in flat], step=s,
                           forward_batch=forward_batch, entropy_coef=1.0)["entropy"] for s in range(1, 6)]
     assert entropies[-1] > entropies[0] + 1e-3, entropies
     sft = [micro_batch(1, 0, 1, [(3, 8)], mode="sft", seed=4)]

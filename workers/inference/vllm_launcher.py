@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 from bus.errors import ConfigError
 from bus.log import get_logger
@@ -192,7 +193,7 @@ class VllmServer:
             # Every worker joins as one receiver; the HTTP call outlasts the broadcast's own timeout.
             timeout_s = self.config.trainer.broadcast_timeout_s
             await self._paused_rpc(event, {"method": "rlbus_receive_broadcast", "timeout": timeout_s + 60,
-                                           "kwargs": {"event": event.model_dump(mode="json"), "timeout_s": timeout_s}},
+                                           "kwargs": {"event": msgspec.to_builtins(event), "timeout_s": timeout_s}},
                                    http_timeout_s=timeout_s + 120)
         else:
             raise ValueError(f"weights step {event.step} came as {event.format!r}; vLLM here loads safetensors or "

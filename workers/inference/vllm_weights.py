@@ -14,6 +14,7 @@ runs on a copy packed at load time, which only the reload's ``process_weights_af
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 
@@ -53,7 +54,7 @@ def receive_broadcast(worker, event: dict | str, timeout_s: float = 300.0) -> di
     from bus.messages import WeightUpdate
     from trainer.broadcast import receive_weights
 
-    update = WeightUpdate.model_validate_json(event) if isinstance(event, str) else WeightUpdate.model_validate(event)
+    update = msgspec.json.decode(event, type=WeightUpdate) if isinstance(event, str) else msgspec.convert(event, WeightUpdate)
     start = time.perf_counter()
     tensors = receive_weights(update, worker_device(worker), timeout_s=timeout_s)
     received = time.perf_counter()

@@ -140,7 +140,7 @@ class FilterWorker:
                 streak.add(zero_variance(group_rewards))
             dropped += len(group.samples) - len(kept)
             if kept:
-                outputs.append((keys.filtered(group.env), group.model_copy(update={"samples": kept})))
+                outputs.append((keys.filtered(group.env), group.replace(samples=kept)))
             else:
                 dropped_groups += 1
         if not acks:

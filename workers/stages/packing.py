@@ -49,7 +49,7 @@ def truncate(sample: Sample, seq_len: int) -> tuple[Sample, bool]:
     }
     if sample.teacher_logprobs is not None:
         update["teacher_logprobs"] = sample.teacher_logprobs[:keep]
-    return sample.model_copy(update=update), True
+    return sample.replace(**update), True
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

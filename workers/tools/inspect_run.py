@@ -10,9 +10,9 @@ import json
 import os
 from typing import Any
 
+import msgspec
 import numpy as np
 import redis
-from pydantic import BaseModel
 
 from bus.clients import sync_client
 from bus.config import redact
@@ -84,8 +84,8 @@ def summarize(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         head = value[:6].tolist()
         return {"dtype": value.dtype.name, "shape": list(value.shape), "head": head}
-    if isinstance(value, BaseModel):
-        return {k: summarize(v) for k, v in value.__dict__.items()}
+    if isinstance(value, msgspec.Struct):
+        return {k: summarize(getattr(value, k)) for k in value.__struct_fields__}
     if isinstance(value, dict):
         return {str(k): summarize(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

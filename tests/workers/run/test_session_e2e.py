@@ -355,14 +355,11 @@ def inject_garbage(client: redis.Redis, keys: Keys, step: int) -> int:
         {b"kind": b"task", b"v": b"1", b"data": packb({"prompt_ids": ["<x9", [1], b"abcd"]})},  # unknown dtype
         {b"kind": b"rollout_group", b"v": b"99", b"data": b"\x80"},  # from the future
     ]
-    sample = Sample.model_construct(prompt_ids=np.ones(2, np.int32), completion_ids=np.ones(2, np.int32),
-                                    completion_logprobs=np.zeros(2, np.float32), loss_mask=np.ones(2, bool),
-                                    teacher_logprobs=None, reward=float("nan"), advantage=0.0, metrics={},
-                                    policy_version_start=0, policy_version_end=0, temperature=1.0, flags={},
-                                    is_truncated=False, turns=1, mode="rl", task_id="echo_chars:0:999999", index=0)
-    nan_group = RolloutGroup.model_construct(task_id="echo_chars:0:999999", env=env, example_id="0", example_index=0,
-                                             epoch=0, mode="rl", samples=[sample], eval_step=None, timings={},
-                                             created_at=time.time()).to_fields()
+    sample = Sample(prompt_ids=np.ones(2, np.int32), completion_ids=np.ones(2, np.int32),
+                    completion_logprobs=np.zeros(2, np.float32), loss_mask=np.ones(2, bool))
+    group = RolloutGroup(task_id="echo_chars:0:999999", env=env, example_id="0", samples=[sample])
+    sample.reward = float("nan")  # after the checks a message runs where it is built
+    nan_group = group.to_fields()
     grouped = 0
     for stream in (keys.tasks(env), keys.rollouts(env), keys.filtered(env)):
         for fields in shapes:

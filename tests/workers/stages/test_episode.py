@@ -123,7 +123,7 @@ def test_sft_and_missing_server_versions_use_the_tracker(chat):
     (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=1))
     assert (s.policy_version_start, s.policy_version_end, s.turns) == (7, 7, 1)
     runner = GroupRunner(chat, ScriptedClient(chat, version=2), None, max_model_len=512, fallback_version=lambda: 9)
-    (s,), _ = asyncio.run(runner.run(task.model_copy(update={"mode": "sft"}), TwoTurnEnv(), SamplingConfig(), 1))
+    (s,), _ = asyncio.run(runner.run(task.replace(mode="sft"), TwoTurnEnv(), SamplingConfig(), 1))
     assert s.policy_version_start == 9
 
 

@@ -105,7 +105,7 @@ def test_each_env_computes_advantages_with_its_own_settings(redis_url, run_name,
                 {"id": "reverse_text", "name": "plain", "group_size": 2}]})
     worker = FilterWorker(cfg, worker="filter-0", vocab_size=300)
     normalised = group(1, [1.0, 0.0, 0.0, 0.0])
-    plain = group(2, [1.0, 0.0, 0.0, 0.0]).model_copy(update={"env": "plain"})
+    plain = group(2, [1.0, 0.0, 0.0, 0.0]).replace(env="plain")
     worker.filter_group(normalised)
     worker.filter_group(plain)
     assert [round(s.advantage, 3) for s in plain.samples] == [0.75, -0.25, -0.25, -0.25]

@@ -357,8 +357,8 @@ def test_sft_groups_are_never_stale(bus, redis_url, run_name, model_dir):
             await b.state_set(**{LAST_STEP_FIELD: 4, "inflight": 4})
             await publish_trained(b, 4)
             old = group(1, [1.0, 0.0], version=0)  # four versions behind: stale for rl, not for sft
-            sft = [x.model_copy(update={"mode": "sft"}) for x in old.samples]
-            await b.publish(b.keys.filtered(ENV), old.model_copy(update={"mode": "sft", "samples": sft}))
+            sft = [x.replace(mode="sft") for x in old.samples]
+            await b.publish(b.keys.filtered(ENV), old.replace(mode="sft", samples=sft))
             await b.publish(b.keys.filtered(ENV), group(2, [1.0, 0.0], version=0))
             worker = PackerWorker(cfg, worker="packer-0")
             await worker.setup()
