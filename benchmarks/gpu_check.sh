@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_check.sh
 #
 # Where the machine lacks rlbus's dependencies (pydantic, pydantic-core, annotated-types, typing-inspection,
-# structlog, redis, pyzmq: the tests import them through tests/conftest.py; the benchmarks need only
+# structlog, redis, pyzmq, msgspec: the tests import them through tests/conftest.py; the benchmarks need only
 # torch/transformers/safetensors), their wheels can travel in the git-ignored .whl/, fetched beforehand with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VER
