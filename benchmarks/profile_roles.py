@@ -96,7 +96,7 @@ def short(frame: str) -> str:
     function, path = match.groups()
     for folder in OURS:
         if f"/{folder}" in f"/{path}":
-            return f"{folder}{path.rsplit('/' + folder, 1)[-1]}:{function}".replace(str(ROOT) + "/", "")
+            return f"{folder}{f'/{path}'.rsplit('/' + folder, 1)[-1]}:{function}"
     return f"{Path(path).name}:{function}"
 
 
@@ -159,13 +159,14 @@ def main() -> None:
                 run.wait(60)
             except subprocess.TimeoutExpired:
                 run.kill()
+        stacks = {pid: summarize(raw, args.top) for pid, raw in raws.items()}  # before the folder goes
     steps = step1 - step0
     print(f"{args.config.name}: {steps} steps in {wall:.1f} s ({steps / wall:.2f} steps/s) from step {step0}")
     per_step = []
     for pid, role in sorted(roles.items(), key=lambda item: cpu0[item[0]] - cpu1[item[0]]):
         cpu = cpu1[pid] - cpu0[pid]
         per_step.append(f"{role} {cpu / max(steps, 1):.3f}")
-        busy, inclusive, own = summarize(raws.get(pid, Path("/nonexistent")), args.top)
+        busy, inclusive, own = stacks.get(pid, (0, [], []))
         print(f"\n{role}: {cpu / wall:.0%} of a core, {cpu / max(steps, 1) * 1000:.0f} ms CPU a step")
         if inclusive:
             print("  inclusive: " + " | ".join(f"{name} {share:.0%}" for name, share in inclusive))
