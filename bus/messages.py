@@ -7,9 +7,8 @@ raw bytes. ``from_fields`` reads only ``kind``, ``v`` and ``data``; the header i
 Decoding validates everything before a worker sees it: msgspec checks each field's type and rejects unknown
 fields as it reads the bytes (in C, straight into the struct; an array's dtype and shape too), and each struct's
 ``__post_init__`` checks the rest (an array's bytes against its shape, bounds, lengths that must agree, finite
-values). The
-same ``__post_init__`` runs when a worker builds a message, so a bad one fails where it is made; types are checked
-only on decode (a struct built in process takes its fields as given).
+values). The same ``__post_init__`` runs when a worker builds a message, so a bad one fails where it is made; types
+are checked only on decode (a struct built in process takes its fields as given).
 """
 
 import math
