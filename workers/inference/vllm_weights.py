@@ -54,7 +54,10 @@ def receive_broadcast(worker, event: dict | str, timeout_s: float = 300.0) -> di
     from bus.messages import WeightUpdate
     from trainer.broadcast import receive_weights
 
-    update = msgspec.json.decode(event, type=WeightUpdate) if isinstance(event, str) else msgspec.convert(event, WeightUpdate)
+    if isinstance(event, str):
+        update = msgspec.json.decode(event, type=WeightUpdate)
+    else:
+        update = msgspec.convert(event, WeightUpdate)
     start = time.perf_counter()
     tensors = receive_weights(update, worker_device(worker), timeout_s=timeout_s)
     received = time.perf_counter()
