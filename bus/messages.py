@@ -62,13 +62,22 @@ class Message(Struct, kw_only=True):
 
     def to_fields(self) -> dict[str, bytes | str]:
         """The stream entry: readable header fields, then ``data`` (msgpack)."""
-        fields: dict[str, bytes | str] = {"kind": self.KIND, "v": str(self.V)}
+        return self._fields(self.V, self)
+
+    def _fields(self, version: int, payload: Any) -> dict[str, bytes | str]:
+        """The stream entry of schema ``version`` whose ``data`` is ``payload`` (this message, or its fields as an
+        older version writes them)."""
+        fields: dict[str, bytes | str] = {"kind": self.KIND, "v": str(version)}
         for name in self.HEADER:
             value = getattr(self, name)
             if value is not None:
                 fields[name] = _header_text(value)
-        fields["data"] = packb(self)
+        fields["data"] = packb(payload)
         return fields
+
+    def _without(self, *names: str) -> dict[str, Any]:
+        """This message's fields but ``names``: what an older version of it holds."""
+        return {name: getattr(self, name) for name in self.__struct_fields__ if name not in names}
 
     @classmethod
     def from_fields(cls, fields: Mapping[Any, Any]) -> "Message":
@@ -327,11 +336,13 @@ class RolloutGroup(Message, kw_only=True):
 class MicroBatch(Message, kw_only=True):
     """One packed micro-batch of step ``s``: packer → ``batches:{s}`` → trainer.
 
-    All per-token arrays are aligned with ``input_ids``: entry ``t`` describes token ``t``
-    (its logprob is predicted from the logits at ``t - 1`` of the same sample).
+    All per-token arrays are aligned with ``input_ids``: entry ``t`` describes token ``t`` (its logprob is
+    predicted from the logits at ``t - 1`` of the same sample). Samples of one group may share their prompt
+    (``shared_prompt_lengths``): the first holds it, the others hold only their completions.
     """
 
     KIND: ClassVar[str] = "micro_batch"
+    V: ClassVar[int] = 2  # v2: shared_prompt_lengths
     HEADER: ClassVar[tuple[str, ...]] = ("step", "index", "count", "mode", "tokens", "samples")
 
     step: int
@@ -345,7 +356,8 @@ class MicroBatch(Message, kw_only=True):
     input_ids: Int32Array
     """Packed token ids of every sample, concatenated (int32)."""
     position_ids: Int32Array
-    """Position of each token within its own sample (restarts at 0 per sample; int32)."""
+    """Position of each token within its own sample (restarts at 0 per sample, goes on from the shared prompt's
+    length in a sample that shares one; int32)."""
     loss_mask: BoolArray
     """True on completion tokens that count in the loss (bool)."""
     advantages: Float32Array
@@ -357,7 +369,7 @@ class MicroBatch(Message, kw_only=True):
     temperatures: Float32Array
     """Sampling temperature per token (its sample's temperature; float32)."""
     sample_lengths: Int32Array
-    """Token count of each packed sample, in order (sums to len(input_ids); int32)."""
+    """Token count each packed sample holds, in order (sums to len(input_ids); int32)."""
     policy_versions: Int32Array
     """Start policy version of each packed sample (for the steps-off-policy metric; int32)."""
     rewards: Float32Array
@@ -366,6 +378,11 @@ class MicroBatch(Message, kw_only=True):
     """The task of each packed sample ("" for a padding sample; empty in batches recorded before these existed)."""
     sample_indices: Int32Array = msgspec.field(default_factory=lambda: np.zeros(0, INT32))
     """Each packed sample's index in its group (int32): with ``task_ids``, what was trained, auditable."""
+    shared_prompt_lengths: Int32Array = msgspec.field(default_factory=lambda: np.zeros(0, INT32))
+    """Per packed sample, how many leading tokens (its prompt) it reads from the nearest sample before it that
+    shares none, which holds them (int32; empty or 0: the sample holds all its tokens). A sample sharing ``p``
+    tokens holds only the tokens after them, at positions ``p, p + 1, …``; it attends to the holder's first ``p``
+    tokens and its own, and its first token is predicted from the holder's token ``p − 1``."""
 
     @property
     def tokens(self) -> int:
@@ -402,12 +419,39 @@ class MicroBatch(Message, kw_only=True):
         check_token_ids(self.input_ids)
         check_finite(advantages=self.advantages, inference_logprobs=self.inference_logprobs,
                      teacher_logprobs=self.teacher_logprobs, temperatures=self.temperatures, rewards=self.rewards)
+        if len(self.shared_prompt_lengths):
+            check_lengths(k, "samples", shared_prompt_lengths=self.shared_prompt_lengths)
+            check_shared_prompts(self.sample_lengths, self.shared_prompt_lengths)
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether any sample reads its prompt from another (see ``shared_prompt_lengths``)."""
+        return bool(len(self.shared_prompt_lengths)) and bool(self.shared_prompt_lengths.any())
+
+    def to_fields(self) -> dict[str, bytes | str]:
+        """A micro-batch that shares no prompt is written as v1 (no ``shared_prompt_lengths``), which older readers
+        still take."""
+        return super().to_fields() if self.shares_prompts else self._fields(1, self._without("shared_prompt_lengths"))
+
+
+def check_shared_prompts(sample_lengths: np.ndarray, shared: np.ndarray) -> None:
+    """Each shared prompt lies within the tokens its holder (the nearest earlier sample sharing none) holds."""
+    holder = 0
+    for i, p in enumerate(shared.tolist()):
+        if p < 0 or (i == 0 and p):
+            raise ValueError(f"sample {i} shares {p} prompt tokens (must be >= 0, and 0 for the first sample)")
+        if p == 0:
+            holder = i
+        elif p > sample_lengths[holder]:
+            raise ValueError(f"sample {i} shares {p} prompt tokens but its holder, sample {holder}, holds "
+                             f"{int(sample_lengths[holder])}")
 
 
 _MICRO_BATCH_ARRAYS = (
     ("input_ids", INT32), ("position_ids", INT32), ("loss_mask", BOOL), ("advantages", FLOAT32),
     ("inference_logprobs", FLOAT32), ("teacher_logprobs", FLOAT32), ("temperatures", FLOAT32),
     ("sample_lengths", INT32), ("policy_versions", INT32), ("rewards", FLOAT32), ("sample_indices", INT32),
+    ("shared_prompt_lengths", INT32),
 )
 """MicroBatch's array fields and their dtypes."""
 
@@ -471,11 +515,7 @@ class WeightUpdate(Message, kw_only=True):
 
     def to_fields(self) -> dict[str, bytes | str]:
         """An update without an adapter is written as v1 (no ``adapter`` field), which older readers still take."""
-        fields = super().to_fields()
-        if self.adapter is None:
-            plain = {name: getattr(self, name) for name in self.__struct_fields__ if name != "adapter"}
-            fields["v"], fields["data"] = "1", packb(plain)
-        return fields
+        return super().to_fields() if self.adapter is not None else self._fields(1, self._without("adapter"))
 
 
 class PolicyVersion(Message, kw_only=True):

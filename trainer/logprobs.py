@@ -8,8 +8,11 @@ is ``chunk_size × vocab`` whatever the sequence length (the 150k-vocab case on 
 each token's sampling temperature before the softmax.
 
 Packed samples never attend across their boundaries: position ids restart at 0 per sample and
-transformers (SDPA attention, no 2-D attention mask) turns that into a block-diagonal causal mask;
-``tests/trainer/test_logprobs.py`` checks packed == unpacked logprobs.
+transformers (SDPA attention, no 2-D attention mask) turns that into a block-diagonal causal mask.
+Samples that share a prompt (``MicroBatch.shared_prompt_lengths``) need more than that: :func:`packed_layout`
+gives the attention mask (each token sees its own sample's earlier tokens and the prompt it shares) and the
+position each token is predicted from. ``tests/trainer/test_logprobs.py`` checks packed == unpacked logprobs and
+gradients, shared prompts included.
 """
 
 from dataclasses import dataclass
@@ -128,6 +131,31 @@ class ChunkedLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
+def packed_layout(lengths: Tensor, shared: Tensor) -> tuple[Tensor, Tensor]:
+    """``(attention mask [T, T] bool, sources [T] int64)`` of packed samples with shared prompts.
+
+    ``lengths`` ``[k]`` are the tokens each sample holds, ``shared`` ``[k]`` the prompt tokens it reads from its
+    holder (the nearest earlier sample sharing none; see ``MicroBatch.shared_prompt_lengths``). Token ``t`` attends
+    to its own sample's tokens up to ``t`` and to the first ``shared`` tokens of its sample's holder; ``sources[t]``
+    is the token whose hidden state predicts it (``t − 1``; for the first token of a sample that shares, the
+    holder's token ``shared − 1``; −1 for the first token of one that does not).
+    """
+    k = len(lengths)
+    device = lengths.device
+    starts = lengths.cumsum(0) - lengths
+    samples = torch.arange(k, device=device)
+    holders = torch.where(shared == 0, samples, 0).cummax(0).values
+    sample_of = torch.repeat_interleave(samples, lengths)
+    low = torch.repeat_interleave(starts[holders], lengths)
+    high = low + torch.repeat_interleave(shared, lengths)
+    t = torch.arange(len(sample_of), device=device)
+    own = (sample_of[:, None] == sample_of[None, :]) & (t[None, :] <= t[:, None])
+    mask = own | ((t[None, :] >= low[:, None]) & (t[None, :] < high[:, None]))
+    sources = t - 1
+    sources[starts] = torch.where(shared > 0, starts[holders] + shared - 1, -1)
+    return mask, sources
+
+
 @dataclass
 class TokenLogprobs:
     """Per-token outputs of :class:`PolicyModel`, aligned with ``input_ids`` (entry 0 of each sample is 0)."""
@@ -160,26 +188,53 @@ class PolicyModel(nn.Module):
         fns = (chunk_logprobs, chunk_logits_grad)
         self.head_fns = tuple(torch.compile(fn, dynamic=False) for fn in fns) if compile_head else fns
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, temperatures: Tensor) -> TokenLogprobs:
+    def forward(self, input_ids: Tensor, position_ids: Tensor, temperatures: Tensor,
+                attention_mask: Tensor | None = None, sources: Tensor | None = None) -> TokenLogprobs:
         """input_ids, position_ids ``[T]`` or ``[B, T]`` int64; temperatures the same shape, fp32 (token t's
         sampling temperature). Rows of a ``[B, T]`` batch are independent packed sequences; outputs have the
-        input's shape."""
+        input's shape. ``attention_mask`` (``[T, T]`` / ``[B, T, T]`` bool) and ``sources`` (``[T]`` / ``[B, T]``)
+        come together, from :func:`packed_layout`, for samples that share prompts."""
         rows = input_ids.dim() == 2
         if not rows:
             input_ids, position_ids, temperatures = input_ids[None], position_ids[None], temperatures[None]
+            if sources is not None:
+                attention_mask, sources = attention_mask[None], sources[None]
+        if sources is None:
+            logprobs, entropy = self._next_tokens(input_ids, position_ids, temperatures)
+            zero = logprobs.new_zeros(input_ids.shape[0], 1)
+            if not rows:  # concatenate the 1-D rows: a fresh tensor, not a view (FSDP hooks the module's outputs)
+                return TokenLogprobs(logprobs=torch.cat([zero[0], logprobs[0]]), entropy=torch.cat([zero[0], entropy[0]]))
+            return TokenLogprobs(logprobs=torch.cat([zero, logprobs], dim=1), entropy=torch.cat([zero, entropy], dim=1))
+        logprobs, entropy = self._from_sources(input_ids, position_ids, temperatures, attention_mask, sources)
+        none = (sources if rows else sources[0]) < 0  # masked_fill: a fresh tensor of the input's shape, as above
+        return TokenLogprobs(logprobs=logprobs.view(none.shape).masked_fill(none, 0.0),
+                             entropy=entropy.view(none.shape).masked_fill(none, 0.0))
+
+    def _head(self, hidden: Tensor, targets: Tensor, temperatures: Tensor) -> tuple[Tensor, Tensor]:
+        """Logprob of each target and entropy, ``[N]`` fp32, from hidden ``[N, H]`` and temperatures ``[N]``."""
+        temps = temperatures.float()
+        inv_temp = torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), torch.ones_like(temps))
+        keep_bytes = self.keep_bytes if torch.is_grad_enabled() else 0
+        return ChunkedLogprobs.apply(hidden, self.lm.get_output_embeddings().weight, targets, inv_temp,
+                                     self.chunk_size, self.head_fns, self.entropy_grad, keep_bytes)
+
+    def _next_tokens(self, input_ids: Tensor, position_ids: Tensor, temperatures: Tensor) -> tuple[Tensor, Tensor]:
+        """Every sample holds all its tokens: ``[B, T − 1]`` logprobs and entropy of tokens 1.., each predicted from
+        the token before it (0 for a sample's first)."""
         out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state[:, :-1].reshape(-1, out.last_hidden_state.shape[-1])
-        temps = temperatures[:, 1:].float().reshape(-1)
-        inv_temp = torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), torch.ones_like(temps))
-        weight = self.lm.get_output_embeddings().weight
-        targets = input_ids[:, 1:].reshape(-1)
-        keep_bytes = self.keep_bytes if torch.is_grad_enabled() else 0
-        logprobs, entropy = ChunkedLogprobs.apply(hidden, weight, targets, inv_temp, self.chunk_size, self.head_fns,
-                                                  self.entropy_grad, keep_bytes)
+        logprobs, entropy = self._head(hidden, input_ids[:, 1:].reshape(-1), temperatures[:, 1:].reshape(-1))
         first = position_ids[:, 1:] == 0  # first token of a sample: not predicted from this sample
-        logprobs = logprobs.view(first.shape).masked_fill(first, 0.0)
-        entropy = entropy.view(first.shape).masked_fill(first, 0.0)
-        zero = logprobs.new_zeros(input_ids.shape[0], 1)
-        if not rows:  # concatenate the 1-D rows: a fresh tensor, not a view (FSDP hooks the module's outputs)
-            return TokenLogprobs(logprobs=torch.cat([zero[0], logprobs[0]]), entropy=torch.cat([zero[0], entropy[0]]))
-        return TokenLogprobs(logprobs=torch.cat([zero, logprobs], dim=1), entropy=torch.cat([zero, entropy], dim=1))
+        return logprobs.view(first.shape).masked_fill(first, 0.0), entropy.view(first.shape).masked_fill(first, 0.0)
+
+    def _from_sources(self, input_ids: Tensor, position_ids: Tensor, temperatures: Tensor, attention_mask: Tensor,
+                      sources: Tensor) -> tuple[Tensor, Tensor]:
+        """``[B × T]`` logprobs and entropy, token t predicted from token ``sources[t]`` of its row (clamped at 0:
+        the caller zeroes the tokens whose source is −1)."""
+        out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids,
+                                 attention_mask=attention_mask[:, None], use_cache=False)
+        rows, width = input_ids.shape
+        hidden = out.last_hidden_state.reshape(rows * width, -1)
+        offsets = torch.arange(rows, device=sources.device)[:, None] * width
+        hidden = hidden.index_select(0, (sources.clamp_min(0) + offsets).reshape(-1))
+        return self._head(hidden, input_ids.reshape(-1), temperatures.reshape(-1))

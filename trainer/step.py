@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from bus.messages import MODES, MicroBatch
 from trainer.dist import DistContext, all_reduce_max, all_reduce_sum, set_grad_sync
+from trainer.logprobs import packed_layout
 from trainer.losses import LossFn, LossInputs, LossTerms, reduce_loss
 
 # bf16 dense peak FLOP/s by GPU name fragment, for MFU.
@@ -46,6 +47,8 @@ class Batch:
     """Σ over samples of (step − 1 − start policy version)."""
     weight: float = 1.0
     """0 for the filler micro-batch of a rank that ran out of real ones."""
+    shared_prompt_lengths: np.ndarray | None = None
+    """Per sample, the prompt tokens it reads from another (``MicroBatch.shared_prompt_lengths``); None: none do."""
 
 
 def to_batch(mb: MicroBatch, device: torch.device, step: int) -> Batch:
@@ -64,6 +67,7 @@ def to_batch(mb: MicroBatch, device: torch.device, step: int) -> Batch:
         teacher_logprobs=None if mb.teacher_logprobs is None else t(mb.teacher_logprobs, torch.float32),
         on_policy=t(on_policy, torch.bool), sample_lengths=lengths, rewards=np.asarray(mb.rewards),
         steps_off_policy=float((step - 1 - versions).sum()),
+        shared_prompt_lengths=np.asarray(mb.shared_prompt_lengths, dtype=np.int64) if mb.shares_prompts else None,
     )
 
 
@@ -165,15 +169,17 @@ def _run(model: nn.Module, group: list[Batch]) -> list[tuple[Batch, Tensor, Tens
     """(batch, logprobs, entropy) of each micro-batch of ``group``, in one forward pass."""
     if len(group) == 1:
         batch = group[0]
-        out = model(batch.input_ids, batch.position_ids, batch.temperatures)
+        layout = () if batch.shared_prompt_lengths is None else _layout(batch, len(batch.input_ids))
+        out = model(batch.input_ids, batch.position_ids, batch.temperatures, *layout)
         return [(batch, out.logprobs, out.entropy)]
     out = model(*_stack(group))
     return [(b, out.logprobs[r, : len(b.input_ids)], out.entropy[r, : len(b.input_ids)]) for r, b in enumerate(group)]
 
 
-def _stack(group: list[Batch]) -> tuple[Tensor, Tensor, Tensor]:
+def _stack(group: list[Batch]) -> tuple[Tensor, ...]:
     """input_ids, position_ids, temperatures of ``group`` as ``[B, T]`` rows padded to the longest; the padding
-    of a row is a sequence of its own (positions restart at 0), so no real token attends to it."""
+    of a row is a sequence of its own (positions restart at 0), so no real token attends to it. Where a micro-batch
+    shares prompts, also every row's attention mask ``[B, T, T]`` and sources ``[B, T]``."""
     width = max(len(b.input_ids) for b in group)
     device = group[0].input_ids.device
     ids = torch.zeros(len(group), width, dtype=torch.long, device=device)
@@ -185,7 +191,21 @@ def _stack(group: list[Batch]) -> tuple[Tensor, Tensor, Tensor]:
         pos[r, :n] = b.position_ids
         pos[r, n:] -= n
         temps[r, :n] = b.temperatures
-    return ids, pos, temps
+    if all(b.shared_prompt_lengths is None for b in group):
+        return ids, pos, temps
+    layouts = [_layout(b, width) for b in group]
+    return ids, pos, temps, torch.stack([m for m, _ in layouts]), torch.stack([s for _, s in layouts])
+
+
+def _layout(batch: Batch, width: int) -> tuple[Tensor, Tensor]:
+    """:func:`packed_layout` of a micro-batch padded to ``width`` tokens (the padding a sample of its own)."""
+    lengths = batch.sample_lengths
+    shared = batch.shared_prompt_lengths if batch.shared_prompt_lengths is not None else np.zeros_like(lengths)
+    padding = width - len(batch.input_ids)
+    if padding:
+        lengths, shared = np.append(lengths, padding), np.append(shared, 0)
+    device = batch.input_ids.device
+    return packed_layout(torch.as_tensor(lengths, device=device), torch.as_tensor(shared, device=device))
 
 
 @torch.no_grad()

@@ -126,6 +126,11 @@ class PackerConfig(Section):
     seq_len: int = Field(2048, ge=8)
     """Micro-batch capacity in tokens; longer samples are truncated (and counted)."""
 
+    share_prompts: bool = True
+    """Pack the samples of a group that have the same prompt with one copy of it (the prompt, then each
+    completion, each attending to the prompt and itself): the same loss and gradients, and the trainer runs the
+    prompt once a group instead of once a sample. False: every sample holds its own prompt."""
+
     max_off_policy_steps: int = Field(8, ge=0)
     """How many policy versions a group may be behind the policy its step trains (as in prime-rl and ART): step s
     trains policy s − 1, so it keeps groups started at version ≥ s − 1 − this, and drops older ones as stale.

@@ -368,3 +368,19 @@ def test_a_weight_update_is_v2_only_when_it_carries_an_adapter():
     assert decode(whole).adapter is None
     lora = WeightUpdate(step=3, format="safetensors", dir="/w/step_3", adapter="r8-a16-step3").to_fields()
     assert lora["v"] == "2" and lora["adapter"] == "r8-a16-step3" and decode(lora).adapter == "r8-a16-step3"
+
+
+def test_a_micro_batch_is_v2_only_when_its_samples_share_a_prompt():
+    from bus.messages import decode
+
+    ids = np.array([5, 6, 7, 8, 9], np.int32)
+    common = dict(step=1, index=0, count=1, mode="rl", input_ids=ids, loss_mask=np.array([0, 1, 1, 1, 1], bool),
+                  advantages=np.ones(5, np.float32), inference_logprobs=np.full(5, -1.0, np.float32),
+                  temperatures=np.ones(5, np.float32), policy_versions=np.zeros(2, np.int32),
+                  rewards=np.ones(2, np.float32), sample_lengths=np.array([3, 2], np.int32))
+    own = MicroBatch(position_ids=np.array([0, 1, 2, 0, 1], np.int32), **common).to_fields()
+    assert own["v"] == "1" and "shared_prompt_lengths" not in unpackb(own["data"])  # a v1 reader takes it
+    assert not decode(own).shares_prompts
+    shared = MicroBatch(position_ids=np.array([0, 1, 2, 1, 2], np.int32),
+                        shared_prompt_lengths=np.array([0, 1], np.int32), **common).to_fields()
+    assert shared["v"] == "2" and decode(shared).shared_prompt_lengths.tolist() == [0, 1]

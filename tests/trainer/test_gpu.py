@@ -114,6 +114,27 @@ def test_cuda_chunked_logprob_grads_match_full_logits():
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-3)
 
 
+def test_cuda_shared_prompts_give_the_gradients_of_unshared_packing():
+    """The shared-prompt attention mask and sources on CUDA (fp32): one step's gradients as if unshared."""
+    from tests.trainer.test_shared_prompts import groups
+    from workers.stages.packing import pack_step
+
+    grads = {}
+    for share in (True, False):
+        policy = PolicyModel(qwen3().to(CUDA), chunk_size=64)
+        cfg = TrainerConfig(lr=1e-3)
+        opt = build_optimizer(policy, cfg)
+        opt.register_step_pre_hook(lambda *_, share=share, policy=policy: grads.__setitem__(
+            share, [p.grad.clone() for p in policy.parameters() if p.grad is not None]))
+        micro_batches = pack_step(groups(), step=1, seq_len=16, dp_size=1, share_prompts=share)[0]
+        assert any(mb.shares_prompts for mb in micro_batches) == share
+        train_step(policy, opt, build_scheduler(opt, cfg, 10), [to_batch(mb, CUDA, 1) for mb in micro_batches],
+                   loss_fns=loss_fns(DppoLossConfig()), ctx=DistContext(), step=1, max_grad_norm=None,
+                   forward_batch=3)
+    for got, want in zip(grads[True], grads[False], strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
 def test_cuda_train_step_in_bf16_lowers_the_loss_and_reports_mfu(tmp_path):
     from trainer.model import count_parameters, load_model, resolve_device, resolve_dtype
 

@@ -359,7 +359,8 @@ class PackerWorker:
                           "feeder.max_inflight_rollouts is reached and every in-flight sample is here")
         taken = self._take()
         samples, rewards, counts = self._filter(taken)
-        batches, stats = pack_step(samples, step=step, seq_len=self.cfg.seq_len, dp_size=self.config.trainer.nproc)
+        batches, stats = pack_step(samples, step=step, seq_len=self.cfg.seq_len, dp_size=self.config.trainer.nproc,
+                                   share_prompts=self.cfg.share_prompts)
         values = counts.metrics("packer/filter") | {
             "packer/groups": float(len(taken)),
             "packer/samples": float(stats.samples),

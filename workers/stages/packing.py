@@ -2,8 +2,11 @@
 
 Samples longer than ``seq_len`` are truncated (and counted); the rest are packed first-fit
 decreasing into micro-batches of at most ``seq_len`` tokens, one training mode per micro-batch.
-The micro-batch count is padded up to a multiple of the trainer's data-parallel size with
-padding micro-batches: one 1-token dummy sample whose loss mask is all False (it contributes
+With ``share_prompts``, the samples of one group that have the same prompt go in as one unit: the prompt once,
+then each completion (``MicroBatch.shared_prompt_lengths``), so a group of 8 samples of a 70-token prompt and
+10-token completions is 150 tokens to train instead of 640; a unit longer than ``seq_len`` is split, the prompt
+again at the head of each part. The micro-batch count is padded up to a multiple of the trainer's data-parallel
+size with padding micro-batches: one 1-token dummy sample whose loss mask is all False (it contributes
 nothing to any loss; ``MicroBatch.loss_tokens == 0`` tells it apart).
 """
 
@@ -106,25 +109,60 @@ def plan(lengths: list[int], modes: list[Mode], seq_len: int, dp_size: int) -> l
     return bins
 
 
-def build_micro_batch(samples: list[Sample], *, step: int, index: int, count: int, mode: Mode) -> MicroBatch:
-    """Concatenate ``samples`` (already ≤ seq_len in total) into one MicroBatch; empty → padding."""
+def prompt_units(samples: list[Sample], seq_len: int) -> list[list[int]]:
+    """Indices of ``samples`` in units that share one prompt: consecutive samples of one task and mode with equal
+    prompt ids, as many to a unit as fit ``seq_len`` (the prompt once, then each completion). A sample with no
+    prompt or no completion tokens is a unit of its own."""
+    units: list[list[int]] = []
+    size = 0
+    for i, sample in enumerate(samples):
+        if units and _shares(samples[units[-1][0]], sample) and size + len(sample.completion_ids) <= seq_len:
+            units[-1].append(i)
+            size += len(sample.completion_ids)
+        else:
+            units.append([i])
+            size = sample.num_tokens
+    return units
+
+
+def _shares(holder: Sample, sample: Sample) -> bool:
+    """Whether ``sample`` can read its prompt from ``holder``: same task and mode, same prompt, both completions
+    non-empty."""
+    return (sample.task_id == holder.task_id and sample.mode == holder.mode and len(holder.completion_ids) > 0
+            and len(sample.completion_ids) > 0 and len(holder.prompt_ids) > 0
+            and np.array_equal(sample.prompt_ids, holder.prompt_ids))
+
+
+def build_micro_batch(units: list[list[Sample]], *, step: int, index: int, count: int, mode: Mode) -> MicroBatch:
+    """Concatenate ``units`` (already ≤ seq_len in total) into one MicroBatch; empty → padding. The samples of a unit
+    share its first sample's prompt: the first holds it, the others only their completions."""
+    samples = [s for unit in units for s in unit]
     if not samples:
         return padding_micro_batch(step=step, index=index, count=count, mode=mode)
-    lengths = np.array([s.num_tokens for s in samples], dtype=np.int32)
+    shared = np.array([0 if j == 0 else len(s.prompt_ids) for unit in units for j, s in enumerate(unit)],
+                      dtype=np.int32)
+    completions = np.array([len(s.completion_ids) for s in samples], dtype=np.int32)
+    lengths = completions + np.where(shared > 0, 0, [len(s.prompt_ids) for s in samples]).astype(np.int32)
     with_teacher = any(s.teacher_logprobs is not None for s in samples)
     ids, mask, logprobs, teacher = [], [], [], []
-    for s in samples:
-        prompt_zeros = np.zeros(len(s.prompt_ids), dtype=np.float32)
-        ids += [s.prompt_ids, s.completion_ids]
-        mask += [np.zeros(len(s.prompt_ids), dtype=bool), s.loss_mask]
-        logprobs += [prompt_zeros, s.completion_logprobs]
+    for s, p in zip(samples, shared.tolist(), strict=True):
+        if not p:
+            prompt_zeros = np.zeros(len(s.prompt_ids), dtype=np.float32)
+            ids.append(s.prompt_ids)
+            mask.append(np.zeros(len(s.prompt_ids), dtype=bool))
+            logprobs.append(prompt_zeros)
+            if with_teacher:
+                teacher.append(prompt_zeros)
+        ids.append(s.completion_ids)
+        mask.append(s.loss_mask)
+        logprobs.append(s.completion_logprobs)
         if with_teacher:
-            teacher += [prompt_zeros, _teacher(s)]
+            teacher.append(_teacher(s))
     input_ids = np.concatenate(ids)
     loss_mask = np.concatenate(mask)
     zero = np.float32(0)
     starts = np.cumsum(lengths) - lengths
-    position_ids = (np.arange(int(lengths.sum()), dtype=np.int32) - np.repeat(starts, lengths)).astype(
+    position_ids = (np.arange(int(lengths.sum()), dtype=np.int32) - np.repeat(starts - shared, lengths)).astype(
         np.int32
     )
     advantages = np.repeat(np.array([s.advantage for s in samples], dtype=np.float32), lengths)
@@ -146,6 +184,7 @@ def build_micro_batch(samples: list[Sample], *, step: int, index: int, count: in
         rewards=np.array([s.reward for s in samples], dtype=np.float32),
         task_ids=[s.task_id for s in samples],
         sample_indices=np.array([s.index for s in samples], dtype=np.int32),
+        shared_prompt_lengths=shared if shared.any() else np.zeros(0, dtype=np.int32),
     )
 
 
@@ -177,20 +216,23 @@ def padding_micro_batch(*, step: int, index: int, count: int, mode: Mode) -> Mic
 
 
 def pack_step(
-    samples: list[Sample], *, step: int, seq_len: int, dp_size: int
+    samples: list[Sample], *, step: int, seq_len: int, dp_size: int, share_prompts: bool = False
 ) -> tuple[list[MicroBatch], PackStats]:
-    """Truncate, plan and build every micro-batch of step ``step`` (each sample's own mode picks its micro-batch)."""
+    """Truncate, plan and build every micro-batch of step ``step`` (each sample's own mode picks its micro-batch);
+    with ``share_prompts``, a group's samples share one copy of their prompt (:func:`prompt_units`)."""
     stats = PackStats(samples=len(samples))
     cut: list[Sample] = []
     for sample in samples:
         short, was_cut = truncate(sample, seq_len)
         stats.truncated += was_cut
         cut.append(short)
-    lengths = [s.num_tokens for s in cut]
-    bins = plan(lengths, [s.mode for s in cut], seq_len, dp_size)
+    units = prompt_units(cut, seq_len) if share_prompts else [[i] for i in range(len(cut))]
+    lengths = [cut[u[0]].num_tokens + sum(len(cut[i].completion_ids) for i in u[1:]) for u in units]
+    bins = plan(lengths, [cut[u[0]].mode for u in units], seq_len, dp_size)
     count = len(bins)
     batches = [
-        build_micro_batch([cut[i] for i in members], step=step, index=index, count=count, mode=mode)
+        build_micro_batch([[cut[i] for i in units[u]] for u in members], step=step, index=index, count=count,
+                          mode=mode)
         for index, (mode, members) in enumerate(bins)
     ]
     stats.tokens = sum(lengths)

@@ -125,3 +125,28 @@ def test_plan_never_mixes_modes_and_bins_fit(lengths, modes):
     for mode, members in bins:
         assert all(modes[i] == mode for i in members)
         assert sum(lengths[i] for i in members) <= 50
+
+
+def test_a_group_shares_one_copy_of_its_prompt_split_where_it_does_not_fit():
+    prompt = np.array([7, 8, 9], np.int32)
+
+    def answer(index: int, completion: list[int]) -> Sample:
+        return Sample(prompt_ids=prompt, completion_ids=np.array(completion, np.int32),
+                      completion_logprobs=np.full(len(completion), -0.5, np.float32),
+                      loss_mask=np.ones(len(completion), bool), advantage=float(index), task_id="e:0:1", index=index)
+
+    samples = [answer(0, [1, 2]), answer(1, [3]), answer(2, [4, 5, 6]), answer(3, []), make_sample(9, 2, 2)]
+    batches, stats = pack_step(samples, step=1, seq_len=8, dp_size=1, share_prompts=True)
+    # answers 0 and 1 share a prompt; answer 2 does not fit beside them and holds its own; an empty answer and another
+    # task's sample share nothing
+    assert stats.tokens == (3 + 2 + 1) + (3 + 3) + 3 + 4
+    mb = next(mb for mb in batches if mb.shares_prompts)
+    assert mb.task_ids == ["e:0:1", "e:0:1"] and mb.sample_indices.tolist() == [0, 1]
+    assert mb.input_ids.tolist() == [7, 8, 9, 1, 2, 3]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 4, 3]  # answer 1 goes on from the prompt
+    assert mb.shared_prompt_lengths.tolist() == [0, 3] and mb.sample_lengths.tolist() == [5, 1]
+    assert mb.loss_mask.tolist() == [False, False, False, True, True, True]
+    assert mb.advantages.tolist() == [0, 0, 0, 0, 0, 1]
+    assert sum(mb.shares_prompts for mb in batches) == 1
+    unshared, plain = pack_step(samples, step=1, seq_len=8, dp_size=1)
+    assert plain.tokens == 5 + 4 + 6 + 3 + 4 and not any(mb.shares_prompts for mb in unshared)
