@@ -12,7 +12,7 @@ transformers (SDPA attention, no 2-D attention mask) turns that into a block-dia
 Samples that share a prompt (``MicroBatch.shared_prompt_lengths``) need more than that: :func:`packed_layout`
 gives the attention mask (each token sees its own sample's earlier tokens and the prompt it shares) and the
 position each token is predicted from. ``tests/trainer/test_logprobs.py`` checks packed == unpacked logprobs and
-gradients, shared prompts included.
+gradients; ``tests/trainer/test_shared_prompts.py`` checks a step with shared prompts against one without.
 """
 
 from dataclasses import dataclass
