@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 
-from bus.arrays import from_wire
+from bus.arrays import from_wire, packb
 from bus.errors import RpcError, RpcTimeoutError
 from bus.rpc import RpcClient, RpcServer
 
@@ -131,5 +131,79 @@ def test_bind_to_busy_address_says_so():
         async with served() as (server, _):
             with pytest.raises(RpcError, match="cannot bind"):
                 RpcServer(server.address, HANDLERS).bind()
+
+    asyncio.run(main())
+
+
+def _count_messages(server: RpcServer) -> dict[str, int]:
+    """Wrap the server's answer methods to count request messages: single calls and batches."""
+    counts = {"single": 0, "batch": 0}
+    single, batch = server._answer, server._answer_batch
+
+    def counted(kind, answer):
+        def wrapper(*frames):
+            counts[kind] += 1
+            return answer(*frames)
+        return wrapper
+
+    server._answer, server._answer_batch = counted("single", single), counted("batch", batch)
+    return counts
+
+
+def test_calls_started_together_travel_as_one_message_and_get_their_own_replies():
+    async def main():
+        async with served() as (server, client):
+            counts = _count_messages(server)
+            calls = [client.call("add", a=i, b=1) for i in range(8)] + [client.call("fail"), client.call("nope")]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            assert results[:8] == [i + 1 for i in range(8)]
+            assert str(results[8]) == "ValueError: bad index 7; use 0..3"
+            assert "unknown method 'nope'" in str(results[9])
+            assert counts == {"single": 0, "batch": 1}
+            assert await client.call("add", a=1, b=1) == 2
+            assert counts == {"single": 1, "batch": 1}
+
+    asyncio.run(main())
+
+
+def test_a_slow_call_in_a_batch_does_not_hold_up_the_fast_ones():
+    async def main():
+        async with served() as (_, client):
+            slow = asyncio.ensure_future(client.call("echo", value="slow", delay_s=0.5))
+            fast = asyncio.ensure_future(client.call("add", a=2, b=2))
+            assert await fast == 4
+            assert not slow.done()
+            assert await slow == "slow"
+
+    asyncio.run(main())
+
+
+def test_a_server_without_batches_gets_the_calls_one_by_one():
+    async def main():
+        async with served() as (server, client):
+            server._answer_batch = server._answer  # an older server: "rpc.batch" is an unknown method to it
+            results = await asyncio.gather(*(client.call("add", a=i, b=i) for i in range(5)))
+            assert results == [0, 2, 4, 6, 8]
+            assert not client.batching
+            assert await asyncio.gather(client.call("add", a=1, b=2), client.call("add", a=3, b=4)) == [3, 7]
+
+    asyncio.run(main())
+
+
+def test_malformed_batch_is_answered_with_an_error_and_the_server_keeps_serving():
+    import zmq
+    import zmq.asyncio
+
+    async def main():
+        async with served() as (server, client):
+            raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(server.address)
+            for payload in (b"\xc1", packb([[b"1", "add", b"x"]]), packb({"not": "a list"})):
+                await raw.send_multipart([b"b1", b"rpc.batch", payload])
+                reply = await asyncio.wait_for(raw.recv_multipart(), 2.0)
+                assert reply[0] == b"b1" and reply[1] == b"err" and reply[2].startswith(b"DecodeError")
+            raw.close(linger=0)
+            assert await client.call("add", a=1, b=1) == 2
 
     asyncio.run(main())

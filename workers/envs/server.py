@@ -202,16 +202,9 @@ class EnvHandle:
     async def _call_spawned(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None) -> Any:
         """One call that fails fast with _ServerExited when the server process dies first."""
         assert self._client is not None and self._exited is not None
-        exited = self._exited
-        if exited.done():
-            raise _ServerExited(f"exit code {exited.result()}")
-        call = asyncio.ensure_future(self._client.call(method, timeout_s=timeout_s, **kwargs))
-        await asyncio.wait({call, exited}, return_when=asyncio.FIRST_COMPLETED)
-        if call.done():
-            return call.result()
-        call.cancel()
-        await asyncio.gather(call, return_exceptions=True)
-        raise _ServerExited(f"exit code {exited.result()}")
+        if self._exited.done():
+            raise _ServerExited(f"exit code {self._exited.result()}")
+        return await self._client.call(method, timeout_s=timeout_s, **kwargs)
 
     async def _restart(self, generation: int, reason: str) -> None:
         async with self._lock:
@@ -236,7 +229,9 @@ class EnvHandle:
         self._process = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                              preexec_fn=preexec)
         self._exited = asyncio.ensure_future(self._process.wait())
-        self._client = RpcClient(self.address, self.timeout_s)
+        self._client = client = RpcClient(self.address, self.timeout_s)
+        self._exited.add_done_callback(lambda exited: exited.cancelled() or client.fail_pending(
+            _ServerExited(f"exit code {exited.result()}")))  # its calls fail now, not at their timeout
         try:
             await self._call_spawned("info", {}, timeout_s=start_timeout_s)
         except _ServerExited as e:
