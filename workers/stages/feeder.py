@@ -12,9 +12,10 @@
   filter the samples its enforced pre-batch filters drop, and a dead-lettered training task or
   group gives its samples back in its dead-letter commit (the rollout worker's own, and
   ``Bus.reclaim`` with the :func:`bus.state.release_inflight` hook). Eval tasks never count. The feeder
-  issues a task only while ``inflight + group_size ≤ max_inflight_rollouts``; otherwise it blocks (XREAD BLOCK) on the
-  streams written in the same MULTI as each decrement: ``metrics`` (every filter and packer
-  commit writes one) and ``dead``.
+  issues tasks only while ``inflight + group_size ≤ max_inflight_rollouts`` (as many as fit, up to ``ISSUE_BATCH``
+  of one env in one commit); otherwise it blocks (XREAD BLOCK) on the streams written in the same MULTI as each
+  decrement: ``metrics`` (every filter and packer commit writes one) and ``dead``, re-reading the count only
+  after an entry that may come with a release (not the rollout worker's, trainer's or eval's metrics).
 - Cursor: ``feeder:cursor:{env}`` / ``feeder:epoch:{env}`` in the state hash move in the same
   MULTI as the XADD, guarded (WATCH) on the cursor, so a restarted feeder continues exactly where
   it stopped and a second feeder on the same run cannot issue the same position twice.
@@ -44,6 +45,14 @@ from workers.config import RlbusConfig
 from workers.envs.server import EnvHandle
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 
+ISSUE_BATCH = 64
+"""Most tasks one commit issues (a step's worth of one-sample SFT groups in two commits)."""
+
+NEVER_RELEASE = frozenset({b"rollout", b"trainer", b"eval"})
+"""``source`` of the metrics entries that never come with a release (the rollout worker's one per group, say): the
+feeder blocks on past them without re-reading the count. Any other entry (a dead letter has no ``source``) wakes it."""
+WAKE_READ_COUNT = 1000
+"""Entries one wake reads past (all that came since the last, normally: only the newest id is kept)."""
 RECONCILE_INTERVAL_S = 30.0
 """How often the feeder recomputes the in-flight count from the streams (:func:`bus.state.reconcile_inflight`)."""
 
@@ -113,6 +122,8 @@ class FeederWorker:
         self.bus: Bus | None = None
         self.cursors: list[EnvCursor] = []
         self._reconciled_at = 0.0
+        self._wake_ids: dict[str, bytes] | None = None
+        """Last entry seen of each stream a release writes to (``metrics``, ``dead``): where the next wait blocks."""
         self.issued = 0
         self._stop = asyncio.Event()
 
@@ -178,8 +189,9 @@ class FeederWorker:
                 await self.bus.state_set(**{FEEDER_DONE_FIELD: max_epochs})
                 self.log.info("feeder_done", epochs=max_epochs, issued=self.issued)
                 return
-            if await self._wait_for_room(cursor.group_size):
-                await self._issue(cursor)
+            room = await self._wait_for_room(cursor.group_size)
+            if room:
+                await self._issue(cursor, room, max_epochs)
         self.log.info("feeder_stopped", issued=self.issued)
 
     async def _reconcile(self) -> None:
@@ -194,44 +206,71 @@ class FeederWorker:
             await self.bus.publish(self.bus.keys.metrics(),
                                    Metric(source="feeder", values={"feeder/inflight_drift": float(now - was)}))
 
-    async def _wait_for_room(self, group_size: int) -> bool:
-        """True once ``group_size`` more samples fit in flight; False on timeout (re-check stop)."""
-        keys = self.bus.keys
-        wake = [keys.metrics(), keys.dead()]
-        pipe = self.bus.redis.pipeline(transaction=False)
-        for stream in wake:
-            pipe.xrevrange(stream, count=1)
-        pipe.hget(keys.state(), INFLIGHT_FIELD)
-        *lasts, inflight = await pipe.execute()
-        if int(inflight or 0) + group_size <= self.max_inflight:
-            return True
-        last_ids = {s: (last[0][0] if last else b"0-0") for s, last in zip(wake, lasts, strict=True)}
-        await self.bus.redis.xread(last_ids, count=1, block=self.config.redis.block_ms)
-        return False
+    async def _wait_for_room(self, group_size: int) -> int:
+        """The samples that fit in flight, once ``group_size`` more do; else block until a release may have come (or
+        the block times out: re-check stop) and return 0.
 
-    async def _issue(self, c: EnvCursor) -> None:
-        index = c.example_index(self.config.run.seed, self.config.feeder.shuffle)
-        task = Task(task_id=training_task_id(c.name, c.epoch, c.position), env=c.name, example_index=index,
-                    example_id=str(index), epoch=c.epoch, group_size=c.group_size, mode=c.mode)
-        position, epoch = c.advance()
+        A release writes its ``metrics`` or ``dead`` entry in the MULTI of its decrement, so blocking after the
+        last entry seen before reading the count misses none. The first call finds the streams' last entries."""
+        keys = self.bus.keys
+        if self._wake_ids is None:
+            pipe = self.bus.redis.pipeline(transaction=False)
+            for stream in (keys.metrics(), keys.dead()):
+                pipe.xrevrange(stream, count=1)
+            pipe.hget(keys.state(), INFLIGHT_FIELD)
+            last_metric, last_dead, inflight = await pipe.execute()
+            self._wake_ids = {keys.metrics(): last_metric[0][0] if last_metric else b"0-0",
+                              keys.dead(): last_dead[0][0] if last_dead else b"0-0"}
+        else:
+            inflight = await self.bus.redis.hget(keys.state(), INFLIGHT_FIELD)
+        room = self.max_inflight - int(inflight or 0)
+        if room >= group_size:
+            return room
+        while not self._stop.is_set():
+            woken = await self.bus.redis.xread(self._wake_ids, count=WAKE_READ_COUNT, block=self.config.redis.block_ms)
+            if not woken:
+                break
+            releases = False
+            for stream, entries in woken:
+                self._wake_ids[as_str(stream)] = entries[-1][0]
+                releases |= any(fields.get(b"source") not in NEVER_RELEASE for _, fields in entries)
+            if releases:
+                break
+        return 0
+
+    async def _issue(self, c: EnvCursor, room: int, max_epochs: int | None) -> None:
+        """Issue env ``c``'s next tasks in one commit: as many as fit in ``room`` samples (at most ``ISSUE_BATCH``)
+        while ``c`` stays the env :func:`pick_env` picks. The cursor moves in memory as each task is planned and
+        goes back if the commit does not go through."""
+        before = c.position, c.epoch
+        tasks = []
+        while len(tasks) < ISSUE_BATCH and room >= c.group_size and pick_env(self.cursors, max_epochs) is c:
+            index = c.example_index(self.config.run.seed, self.config.feeder.shuffle)
+            tasks.append(Task(task_id=training_task_id(c.name, c.epoch, c.position), env=c.name, example_index=index,
+                              example_id=str(index), epoch=c.epoch, group_size=c.group_size, mode=c.mode))
+            c.position, c.epoch = c.advance()
+            room -= c.group_size
         state = self.bus.keys.state()
 
         def extra(pipe) -> None:
-            pipe.hset(state, mapping={cursor_field(c.name): position, epoch_field(c.name): epoch})
-            pipe.hincrby(state, INFLIGHT_FIELD, c.group_size)
+            pipe.hset(state, mapping={cursor_field(c.name): c.position, epoch_field(c.name): c.epoch})
+            pipe.hincrby(state, INFLIGHT_FIELD, c.group_size * len(tasks))
 
         try:
-            await self.bus.commit([], [(self.bus.keys.tasks(c.name), task)], extra=extra,
+            await self.bus.commit([], [(self.bus.keys.tasks(c.name), task) for task in tasks], extra=extra,
                                   guard=(state, cursor_field(c.name), c.stored))
         except CommitConflict:
             self.log.warning("feeder_cursor_moved", env=c.name, expected=c.stored,
                              hint="another feeder runs on this run; reloading the cursor")
             await self._load_cursors()
             return
-        c.position, c.epoch, c.stored = position, epoch, str(position)
-        self.issued += 1
-        if position == 0:
-            self.log.info("epoch_finished", env=c.name, epoch=epoch - 1, size=c.size)
+        except BaseException:
+            c.position, c.epoch = before
+            raise
+        c.stored = str(c.position)
+        self.issued += len(tasks)
+        if c.epoch > before[1]:
+            self.log.info("epoch_finished", env=c.name, epoch=before[1], size=c.size)
 
     async def close(self) -> None:
         if self.bus is not None:
