@@ -70,10 +70,18 @@ def needs_teacher_server(config: RlbusConfig) -> bool:
     return config.teacher is not None and not config.teacher.base_urls and asks
 
 
+def policy_samples_training(config: RlbusConfig) -> bool:
+    """Whether the policy's inference servers sample the training rollouts (an rl or opd env). In a run that trains
+    only on reference or teacher answers they answer eval alone, a burst every ``eval.interval`` steps."""
+    return any(env.mode in ("rl", "opd") for env in config.env)
+
+
 def torch_threads(config: RlbusConfig, cores: int | None = None) -> int:
-    """Threads per torch-heavy process (trainer ranks, inference and teacher servers share the cores): max(1, C // N)."""
+    """Threads per torch-heavy process (trainer ranks, inference and teacher servers share the cores): max(1, C // N).
+    Policy servers that answer eval alone are not counted: they run one thread (:func:`resolve`)."""
     cores = cores or len(os.sched_getaffinity(0))
-    heavy = config.trainer.nproc + (0 if config.inference.base_urls else config.inference.servers)
+    local_servers = 0 if config.inference.base_urls else config.inference.servers
+    heavy = config.trainer.nproc + (local_servers if policy_samples_training(config) else 0)
     heavy += needs_teacher_server(config)
     return max(1, cores // max(1, heavy))
 
@@ -104,7 +112,7 @@ def resolve(config: RlbusConfig, *, redis_url: str, base_urls: list[str], thread
     if config.trainer.num_threads is None:
         _set(data, "trainer.num_threads", threads)
     if config.inference.num_threads is None:
-        _set(data, "inference.num_threads", threads)
+        _set(data, "inference.num_threads", threads if policy_samples_training(config) else 1)
     if config.ckpt.resume_step is None:
         _set(data, "ckpt.resume_step", -1)
     RlbusConfig.model_validate(data)

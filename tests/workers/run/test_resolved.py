@@ -28,6 +28,15 @@ def test_torch_threads_share_the_cores():
     assert torch_threads(config, cores=1) == 1
 
 
+def test_a_run_on_reference_answers_gives_the_policy_servers_core_to_the_trainer():
+    sft = load_config([REPO / "configs" / "quickstart.toml"]).stage[0].config  # its servers answer eval alone
+    assert torch_threads(sft, cores=2) == 2
+    data = resolve(sft, redis_url="redis://127.0.0.1:1/0", base_urls=[], threads=torch_threads(sft, cores=2))
+    assert data["trainer"]["num_threads"] == 2 and data["inference"]["num_threads"] == 1
+    rl = load_config([REPO / "configs" / "quickstart.toml"]).stage[1].config
+    assert torch_threads(rl, cores=2) == 1
+
+
 def test_a_password_in_the_redis_url_reaches_children_through_the_environment_only():
     config = load_config([REPO / "configs" / "default.toml"])
     url = "redis://:hunter2@127.0.0.1:1/0"
