@@ -38,6 +38,9 @@ answer ≈ 0.2; with the entropy bonus three seeds ended at 0.73–0.75 over the
 
 QUICKSTART_THRESHOLD = 0.8
 """The README's claim for command 1: held-out greedy reward after both stages."""
+QUICKSTART_RL_GAIN = 0.1
+"""The README's claim for command 1: RL adds at least this to the held-out reward SFT ended at (the 6-letter words,
+for which there is no reference answer, are RL's to learn)."""
 
 
 def start_run(out: Path, model_dir: Path, *overrides: str, extra: tuple[str, ...] = (),
@@ -342,7 +345,7 @@ def test_quick_start_sft_then_rl_masters_held_out_words_within_ten_minutes(tmp_p
     assert held_out(sft, 0) < 0.1, "a random-init model spells nothing backward"
     assert held_out(rl, 0) == pytest.approx(last(sft)), "stage rl starts from stage sft's last weights"
     assert last(rl) >= QUICKSTART_THRESHOLD, (sft["eval"], rl["eval"])
-    assert last(rl) >= last(sft) - 0.05, "RL keeps what SFT taught"
+    assert last(rl) >= last(sft) + QUICKSTART_RL_GAIN, ("RL adds to what SFT taught", sft["eval"], rl["eval"])
     assert (out / "report.png").exists() and (out / "rl" / "report.png").exists()
 
 
