@@ -249,9 +249,9 @@ class RpcClient:
 
     def _flush(self, socket: zmq.asyncio.Socket) -> None:
         """Send this tick's requests (those still waiting): one message, or one each if the server cannot batch."""
-        requests, self._outbox = [r for r in self._outbox if r[0] in self._pending], []
         if socket is not self._socket:
-            return  # closed since: its calls have failed
+            return  # closed since: its calls have failed (a call after the close queues its own flush)
+        requests, self._outbox = [r for r in self._outbox if r[0] in self._pending], []
         self._batches = {b: rs for b, rs in self._batches.items() if any(r[0] in self._pending for r in rs)}
         if len(requests) > 1 and self.batching:
             batch_id = next(self._ids).to_bytes(8, "little")

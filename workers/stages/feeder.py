@@ -269,8 +269,8 @@ class FeederWorker:
             raise
         c.stored = str(c.position)
         self.issued += len(tasks)
-        if c.epoch > before[1]:
-            self.log.info("epoch_finished", env=c.name, epoch=before[1], size=c.size)
+        for epoch in range(before[1], c.epoch):
+            self.log.info("epoch_finished", env=c.name, epoch=epoch, size=c.size)
 
     async def close(self) -> None:
         if self.bus is not None:
