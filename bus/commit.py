@@ -19,6 +19,7 @@ from typing import Any
 from redis.commands.core import CoreCommands
 
 from bus.errors import RlbusError
+from bus.resp import RespArgs
 
 COMMIT_LUA = """
 local consumer, i = ARGV[1], 2
@@ -114,13 +115,13 @@ class CommitArgs:
 def commit_args(
     consumer: str,
     acks: list[tuple[str, str, str]],
-    outputs: list[tuple[str, dict]],
+    outputs: list[tuple[str, RespArgs]],
     maxlen: Callable[[str], int | None],
     extra: Callable[[CommandRecorder], None] | None,
     guard: tuple[str, str, str | None] | None,
 ) -> CommitArgs:
-    """Encode one commit for :data:`COMMIT_LUA` (``outputs``: stream and encoded fields; ``maxlen(stream)``: its
-    MAXLEN, None for none)."""
+    """Encode one commit for :data:`COMMIT_LUA` (``outputs``: stream and the entry's fields and values as
+    :class:`~bus.resp.RespArgs`; ``maxlen(stream)``: its MAXLEN, None for none)."""
     args = CommitArgs(consumer)
     argv = [consumer, len(acks)]
     for stream, group, entry_id in acks:
@@ -132,9 +133,7 @@ def commit_args(
         argv += ["1", args.key(hash_key), name, "0" if expected is None else "1", expected or ""]
     argv.append(len(outputs))
     for stream, fields in outputs:
-        argv += [args.key(stream), maxlen(stream) or 0, len(fields)]
-        for name, value in fields.items():
-            argv += [name, value]
+        argv += [args.key(stream), maxlen(stream) or 0, fields.count // 2, fields]
     recorder = CommandRecorder()
     if extra is not None:
         extra(recorder)

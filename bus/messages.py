@@ -2,19 +2,22 @@
 
 A stream entry is a flat map: readable header fields first (``kind``, ``v`` and a few values a
 person reads with ``redis-cli XRANGE``), then ``data``: the whole message as msgpack, arrays as
-raw bytes. ``from_fields`` reads only ``kind``, ``v`` and ``data``; the header is for people.
+raw bytes. ``from_fields`` reads only ``kind``, ``v`` and ``data``; the header is for people. The bus sends the
+same fields as ``entry_args()``, already in RESP form.
 
 Decoding validates everything before a worker sees it: msgspec checks each field's type and rejects unknown
-fields as it reads the bytes (in C, straight into the struct; an array's dtype and shape too), and each struct's
-``__post_init__`` checks the rest (an array's bytes against its shape, bounds, lengths that must agree, finite
+fields as it reads the bytes (in C, straight into the struct; an array field must be one ``bin``), and each struct's
+``__post_init__`` checks the rest (an array's bytes against its item size, bounds, lengths that must agree, finite
 values). The same ``__post_init__`` runs when a worker builds a message, so a bad one fails where it is made; types
 are checked only on decode (a struct built in process takes its fields as given).
 """
 
+import functools
 import math
+import operator
 import time
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -32,10 +35,12 @@ from bus.arrays import (
     check_finite,
     check_lengths,
     check_token_ids,
-    packb,
+    pack_message,
+    triple_bytes,
+    unpackb,
 )
 from bus.errors import DecodeError
-from bus.resp import as_str
+from bus.resp import RespArgs, as_str, bulk
 
 Mode = Literal["rl", "opd", "sft"]
 """Training mode of a sample or micro-batch: rl (policy gradient), opd (on-policy distillation), sft."""
@@ -59,25 +64,48 @@ class Message(Struct, kw_only=True):
     KIND: ClassVar[str]
     V: ClassVar[int] = 1
     HEADER: ClassVar[tuple[str, ...]] = ()
+    TRIPLES_BEFORE: ClassVar[int] = 0
+    """Schema versions below this held their arrays as wire triples (:func:`bus.arrays.triple_bytes`); 0: none did."""
 
     def to_fields(self) -> dict[str, bytes | str]:
         """The stream entry: readable header fields, then ``data`` (msgpack)."""
-        return self._fields(self.V, self)
-
-    def _fields(self, version: int, payload: Any) -> dict[str, bytes | str]:
-        """The stream entry of schema ``version`` whose ``data`` is ``payload`` (this message, or its fields as an
-        older version writes them)."""
+        version, payload = self._written_as()
         fields: dict[str, bytes | str] = {"kind": self.KIND, "v": str(version)}
-        for name in self.HEADER:
-            value = getattr(self, name)
+        for name, value in zip(self.HEADER, _header_getter(type(self))(self), strict=True):
             if value is not None:
-                fields[name] = _header_text(value)
-        fields["data"] = packb(payload)
+                fields[name] = value if type(value) is str else _header_text(value)
+        fields["data"] = pack_message(payload)
         return fields
+
+    def entry_args(self) -> RespArgs:
+        """The fields and values of :meth:`to_fields` as XADD arguments already in RESP form, what the bus sends: the
+        field names and the ``kind`` and ``v`` values are packed once per kind, so only the header values and ``data``
+        are packed per message."""
+        version, payload = self._written_as()
+        head, names = _resp_layout(type(self), version)
+        pieces = [head]
+        count = 4
+        for name, value in zip(names, _header_getter(type(self))(self), strict=True):
+            if value is not None:
+                text = value if type(value) is str else _header_text(value)
+                pieces.append(f"{name}${len(text) if text.isascii() else len(text.encode())}\r\n{text}\r\n")
+                count += 2
+        data = pack_message(payload)
+        pieces.append(f"$4\r\ndata\r\n${len(data)}\r\n")
+        return RespArgs(count + 2, "".join(pieces).encode(), data)
+
+    def _written_as(self) -> tuple[int, Any]:
+        """The schema version this message is written as, and what its ``data`` holds: the message itself, or its
+        fields as an older version has them (which older readers still take)."""
+        return self.V, self
 
     def _without(self, *names: str) -> dict[str, Any]:
         """This message's fields but ``names``: what an older version of it holds."""
         return {name: getattr(self, name) for name in self.__struct_fields__ if name not in names}
+
+    @classmethod
+    def _bytes_from_triples(cls, payload: dict[str, Any]) -> None:
+        """Put bare bytes in place of the wire triples in an older version's decoded ``payload``."""
 
     @classmethod
     def from_fields(cls, fields: Mapping[Any, Any]) -> "Message":
@@ -105,13 +133,15 @@ def _decode(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
     raw_v = _get(fields, b"v")
     try:
         version = int(raw_v)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise DecodeError(f"schema version v={_text(raw_v)!r} is not an integer") from e
     if version > cls.V:
         raise DecodeError(
             f"{cls.KIND} schema v={version} is newer than this reader's v={cls.V}; upgrade rlbus on this worker"
         )
     data = _get(fields, b"data")
+    if version < cls.TRIPLES_BEFORE:
+        return _decode_triples(cls, version, data)
     try:
         return _DECODERS[cls].decode(data)
     except msgspec.ValidationError as e:
@@ -122,6 +152,28 @@ def _decode(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
         raise DecodeError(f"not valid msgpack: {e}") from e
     except (TypeError, ValueError, OverflowError) as e:  # whatever the bytes were
         raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
+
+
+def _decode_triples(cls: type[Message], version: int, data: bytes) -> Message:
+    """Decode an entry of an older version whose arrays are wire triples (replayed archives, older writers)."""
+    payload = unpackb(data)
+    if not isinstance(payload, dict):
+        raise DecodeError(f"{cls.KIND} data: expected a map, got {type(payload).__name__}")
+    try:
+        cls._bytes_from_triples(payload)
+        return msgspec.convert(payload, cls)
+    except (msgspec.ValidationError, TypeError, ValueError, OverflowError) as e:
+        raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
+
+
+def _triples_to_bytes(payload: Any, arrays: tuple[tuple[str, np.dtype], ...]) -> None:
+    """Each of ``arrays`` (name, dtype) present in the map ``payload`` from its wire triple to its bytes."""
+    if not isinstance(payload, dict):
+        return  # not a map: msgspec.convert says so
+    for name, dtype in arrays:
+        value = payload.get(name)
+        if value is not None:
+            payload[name] = triple_bytes(value, dtype, name)
 
 
 def _get(fields: Mapping[Any, Any], name: bytes) -> Any:
@@ -140,6 +192,22 @@ def _text(value: Any) -> str:
         except UnicodeDecodeError as e:
             raise DecodeError(f"header value {value[:32]!r} is not UTF-8") from e
     return str(value)
+
+
+@functools.cache
+def _resp_layout(cls: type[Message], version: int) -> tuple[str, tuple[str, ...]]:
+    """The ``kind`` and ``v`` fields of a ``cls`` entry of schema ``version`` in RESP form, and each header field's
+    name (text: a header is built as text and encoded once)."""
+    head = b"".join(map(bulk, (b"kind", cls.KIND.encode(), b"v", str(version).encode())))
+    return head.decode(), tuple(bulk(name.encode()).decode() for name in cls.HEADER)
+
+
+@functools.cache
+def _header_getter(cls: type[Message]) -> Callable[[Message], tuple]:
+    """The values of ``cls.HEADER`` as a tuple, in one call."""
+    if len(cls.HEADER) > 1:
+        return operator.attrgetter(*cls.HEADER)
+    return lambda message: tuple(getattr(message, name) for name in cls.HEADER)
 
 
 def _header_text(value: Any) -> str:
@@ -281,6 +349,8 @@ class RolloutGroup(Message, kw_only=True):
     """The scored completions of one task: rollout → ``rollouts:{env}`` → filter → ``filtered:{env}``."""
 
     KIND: ClassVar[str] = "rollout_group"
+    V: ClassVar[int] = 2  # v2: arrays as bare bytes
+    TRIPLES_BEFORE: ClassVar[int] = 2
     HEADER: ClassVar[tuple[str, ...]] = (
         "env", "example_id", "mode", "policy_version", "reward", "tokens", "samples_count", "eval_step",
     )
@@ -332,6 +402,12 @@ class RolloutGroup(Message, kw_only=True):
     def samples_count(self) -> int:
         return len(self.samples)
 
+    @classmethod
+    def _bytes_from_triples(cls, payload: dict[str, Any]) -> None:
+        samples = payload.get("samples")
+        for sample in samples if isinstance(samples, list) else ():
+            _triples_to_bytes(sample, _SAMPLE_ARRAYS)
+
 
 class MicroBatch(Message, kw_only=True):
     """One packed micro-batch of step ``s``: packer → ``batches:{s}`` → trainer.
@@ -342,7 +418,8 @@ class MicroBatch(Message, kw_only=True):
     """
 
     KIND: ClassVar[str] = "micro_batch"
-    V: ClassVar[int] = 2  # v2: shared_prompt_lengths
+    V: ClassVar[int] = 3  # v2: shared_prompt_lengths; v3: arrays as bare bytes
+    TRIPLES_BEFORE: ClassVar[int] = 3
     HEADER: ClassVar[tuple[str, ...]] = ("step", "index", "count", "mode", "tokens", "samples")
 
     step: int
@@ -428,10 +505,9 @@ class MicroBatch(Message, kw_only=True):
         """Whether any sample reads its prompt from another (see ``shared_prompt_lengths``)."""
         return bool(len(self.shared_prompt_lengths)) and bool(self.shared_prompt_lengths.any())
 
-    def to_fields(self) -> dict[str, bytes | str]:
-        """A micro-batch that shares no prompt is written as v1 (no ``shared_prompt_lengths``), which older readers
-        still take."""
-        return super().to_fields() if self.shares_prompts else self._fields(1, self._without("shared_prompt_lengths"))
+    @classmethod
+    def _bytes_from_triples(cls, payload: dict[str, Any]) -> None:
+        _triples_to_bytes(payload, _MICRO_BATCH_ARRAYS)
 
 
 def check_shared_prompts(sample_lengths: np.ndarray, shared: np.ndarray) -> None:
@@ -446,6 +522,12 @@ def check_shared_prompts(sample_lengths: np.ndarray, shared: np.ndarray) -> None
             raise ValueError(f"sample {i} shares {p} prompt tokens but its holder, sample {holder}, holds "
                              f"{int(sample_lengths[holder])}")
 
+
+_SAMPLE_ARRAYS = (
+    ("prompt_ids", INT32), ("completion_ids", INT32), ("completion_logprobs", FLOAT32), ("loss_mask", BOOL),
+    ("teacher_logprobs", FLOAT32),
+)
+"""The array fields of a Sample, with their dtypes."""
 
 _MICRO_BATCH_ARRAYS = (
     ("input_ids", INT32), ("position_ids", INT32), ("loss_mask", BOOL), ("advantages", FLOAT32),
@@ -513,9 +595,9 @@ class WeightUpdate(Message, kw_only=True):
     def __post_init__(self) -> None:
         _at_least("step", self.step, 0)
 
-    def to_fields(self) -> dict[str, bytes | str]:
+    def _written_as(self) -> tuple[int, Any]:
         """An update without an adapter is written as v1 (no ``adapter`` field), which older readers still take."""
-        return super().to_fields() if self.adapter is not None else self._fields(1, self._without("adapter"))
+        return (self.V, self) if self.adapter is not None else (1, self._without("adapter"))
 
 
 class PolicyVersion(Message, kw_only=True):

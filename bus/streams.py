@@ -56,6 +56,10 @@ def entry_size(fields: dict[bytes, bytes]) -> int:
     return sum(map(len, fields)) + sum(map(len, fields.values()))
 
 
+def _oversize_reason(size: int, max_bytes: int) -> str:
+    return f"entry of {size} bytes exceeds redis.max_entry_bytes={max_bytes}"
+
+
 def reconnect_tries(timeout_s: float) -> int:
     """Retries whose backoff waits (0.1 s, 0.2 s, … capped at 5 s) add up to at least ``timeout_s``."""
     tries, waited, wait = 0, 0.0, RECONNECT_BASE_S
@@ -131,16 +135,21 @@ class Bus:
             return min(self.cfg.maxlen, self.cfg.events_maxlen)
         return self.cfg.maxlen
 
+    def _xadd(self, stream: str) -> tuple:
+        """The XADD arguments before the fields: the stream, its MAXLEN (``~``) when it has one, the id ``*``."""
+        maxlen = self._maxlen(stream)
+        return ("XADD", stream, "*") if maxlen is None else ("XADD", stream, "MAXLEN", "~", maxlen, "*")
+
     async def publish(self, stream: str, message: Message) -> str:
         """XADD one message (fan-out streams: ``MAXLEN ~ redis.maxlen``); returns its entry id."""
-        return as_str(await self.redis.xadd(stream, message.to_fields(), maxlen=self._maxlen(stream)))
+        return as_str(await self.redis.execute_command(*self._xadd(stream), message.entry_args()))
 
     async def publish_many(self, stream: str, messages: list[Message]) -> list[str]:
         """XADD several messages in one pipeline round trip; returns their entry ids."""
-        maxlen = self._maxlen(stream)
+        xadd = self._xadd(stream)
         pipe = self.redis.pipeline(transaction=False)
         for message in messages:
-            pipe.xadd(stream, message.to_fields(), maxlen=maxlen)
+            pipe.execute_command(*xadd, message.entry_args())
         return [as_str(i) for i in await pipe.execute()]
 
     # Consumer groups.
@@ -178,16 +187,18 @@ class Bus:
         self, stream: str, group: str, items: list, deliveries: dict[str, int]
     ) -> list[Entry]:
         entries = []
+        max_bytes = self.cfg.max_entry_bytes
         for raw_id, fields in items:
-            entry_id = as_str(raw_id)
+            entry_id = raw_id.decode() if type(raw_id) is bytes else as_str(raw_id)
             if fields is None:  # deleted (trimmed) while pending
                 await self.ack(stream, group, [entry_id])
                 continue
-            count = deliveries.get(entry_id, 1)
-            oversize = self._oversize(fields)
-            if oversize is not None:
+            count = deliveries.get(entry_id, 1) if deliveries else 1
+            size = entry_size(fields)
+            if size > max_bytes:
                 cut = {k: v[:KEPT_BYTES] for k, v in fields.items()}
-                await self.dead_letter(stream, entry_id, cut, reason=oversize, group=group, deliveries=count)
+                await self.dead_letter(stream, entry_id, cut, reason=_oversize_reason(size, max_bytes), group=group,
+                                       deliveries=count)
                 continue
             try:
                 message = decode(fields)
@@ -426,7 +437,7 @@ class Bus:
         Both checks run inside Redis in the same script as the writes; on either, nothing is written.
         Returns the ids of the outputs. The commit runs to its end even if the caller is cancelled.
         """
-        encoded = [(stream, message.to_fields()) for stream, message in outputs]
+        encoded = [(stream, message.entry_args()) for stream, message in outputs]
         args = commit_args(self.worker, acks, encoded, self._maxlen, extra, guard)
         return await asyncio.shield(self._commit(args.keys, args.argv, guard))
 
@@ -505,9 +516,7 @@ class Bus:
     def _oversize(self, fields: dict[bytes, bytes]) -> str | None:
         """Why an entry is too big to decode (None: it is not)."""
         size = entry_size(fields)
-        if size > self.cfg.max_entry_bytes:
-            return f"entry of {size} bytes exceeds redis.max_entry_bytes={self.cfg.max_entry_bytes}"
-        return None
+        return _oversize_reason(size, self.cfg.max_entry_bytes) if size > self.cfg.max_entry_bytes else None
 
     def _decode_fanout(self, fields: dict[bytes, bytes]) -> Message:
         oversize = self._oversize(fields)

@@ -236,7 +236,7 @@ def test_commit_failure_between_acks_and_outputs_leaves_neither(bus):
             outputs = [(out, Metric(source="t", values={"n": 1.0}))]
 
             class Unencodable(Metric):
-                def to_fields(self):
+                def entry_args(self):
                     raise RuntimeError("injected: died while encoding the outputs")
 
             with pytest.raises(RuntimeError, match="injected"):
