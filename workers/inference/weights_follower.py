@@ -9,8 +9,8 @@ side; at startup the newest ``keep_adapters`` are loaded).
 
 Eval hold: while the run's state field ``eval:hold`` (:data:`bus.state.EVAL_HOLD_FIELD`) is set,
 no safetensors update with ``step > hold`` is served: the follower stops reading at the first such
-event (``last_id`` stays before it) and re-checks the hold every ``block_ms``, so the eval of step
-``hold`` runs on exactly that version. nccl events are never held (the trainer waits on the broadcast).
+event (``last_id`` stays before it) and re-checks the hold every :data:`HOLD_RECHECK_S`, so the eval of step
+``hold`` runs on exactly that version and the next one is served as soon as the hold moves on. nccl events are never held (the trainer waits on the broadcast).
 """
 
 import asyncio
@@ -26,6 +26,8 @@ from bus.state import EVAL_HOLD_FIELD
 from bus.streams import Bus
 from bus.weight_files import check_update
 
+HOLD_RECHECK_S = 0.05
+"""How often a held follower reads the eval hold again (one HGET; only while an eval is pending)."""
 RECHECK_S = 0.5
 """How often an incomplete weights directory is checked again while ``ckpt.wait_for_weights_timeout`` runs."""
 
@@ -97,7 +99,7 @@ class WeightsFollower:
             if len(events) < sum(isinstance(m, WeightUpdate) for _, m in entries):
                 # Held: XREAD BLOCK returns at once while the held event is unread, so wait here instead.
                 self.log.debug("weights_held", hold=hold, served=self.step)
-                await asyncio.sleep(self.block_ms / 1000)
+                await asyncio.sleep(HOLD_RECHECK_S)
 
     async def _adapters_before(self, entry_id: str, step: int) -> list[WeightUpdate]:
         """Up to ``keep_adapters - 1`` adapter events older than ``step``, at or before ``entry_id``, oldest first."""

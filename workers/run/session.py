@@ -2,8 +2,8 @@
 
 Starts, in order: a private redis-server (unless ``redis.url`` is set; its AOF lives in
 ``output_dir/redis`` so ``--resume`` gets the streams back), the model folder (``init-model``)
-if missing, the inference server(s) (waits for ``/health``), then feeder, rollout ×
-``rollout.workers`` (each spawns its env servers), filter × ``filter.workers``, packer, trainer.
+if missing, the inference server(s) and beside them filter × ``filter.workers``, packer and trainer; once every
+server answers ``/health``, the feeder and rollout × ``rollout.workers`` (each spawns its env servers).
 Every child gets the resolved config (``output_dir/config.resolved.toml``) and its share of the
 cores as torch threads. In this process: the live status, ``metrics.jsonl``, the eval
 coordinator. The run ends when ``trained == run.max_steps`` (after that step's eval), on Ctrl-C /
@@ -177,15 +177,22 @@ class RunSession:
         for name, role, port, extra in servers:
             argv = self.child_argv("inference", "--port", str(port), "--server-id", name, *extra)
             self.sup.start(ChildSpec(name, role, argv, env, stop_order=1))
+        # stop_order: feeder and rollouts stop first (rollouts drain against live servers), redis last.
+        # The workers that never call a server start beside the servers, so their start-ups share the cores;
+        # the feeder and the rollout workers once every server answers.
+        specs = [(f"filter-{i}", "filter", ["--consumer", f"filter-{i}"], 1) for i in range(self.config.filter.workers)]
+        specs += [("packer", "packer", [], 1), ("trainer", "trainer", [], 1)]
+        self._start(specs, env)
         host = self.config.inference.host
         for name, _, port, _ in servers:
             url = f"http://{host}:{port}/health"
             await self._wait(lambda u=url: _http_ok(u), f"{name} at {url}", self.health_timeout_s, name)
-        # stop_order: feeder and rollouts stop first (rollouts drain against live servers), redis last.
         specs = [("feeder", "feeder", [], 0)]
         specs += [(f"rollout-{i}", "rollout", ["--consumer", f"rollout-{i}"], 0) for i in range(self.config.rollout.workers)]
-        specs += [(f"filter-{i}", "filter", ["--consumer", f"filter-{i}"], 1) for i in range(self.config.filter.workers)]
-        specs += [("packer", "packer", [], 1), ("trainer", "trainer", [], 1)]
+        self._start(specs, env)
+
+    def _start(self, specs: list[tuple[str, str, list[str], int]], env: dict[str, str]) -> None:
+        """Start each ``(name, role, options, stop_order)`` as a supervised child."""
         for name, role, options, order in specs:
             self.sup.start(ChildSpec(name, role, self.child_argv(role, *options), env, stop_order=order))
 

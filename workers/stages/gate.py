@@ -35,8 +35,10 @@ def admits(served: int, trained: int, max_off_policy_steps: int, prefetch_steps:
 class StalenessGate:
     """Blocks rollouts until :func:`admits` holds, reading ``policy`` events as they arrive.
 
-    Many groups of one worker wait on one gate: a single waiter at a time blocks on the
-    ``policy`` stream (XREAD BLOCK through the tracker); the others re-check when it wakes.
+    Many groups of one worker wait on one gate and share one read: while one blocking read of the ``policy``
+    stream (XREAD BLOCK through the tracker) is in flight, every waiter awaits that same read and re-checks when it
+    returns. A waiter never queues behind the others' reads, so an eval group whose version is served passes at
+    once however many training groups are held.
     """
 
     def __init__(self, tracker: PolicyTracker, max_off_policy_steps: int, prefetch_steps: int = 0,
@@ -47,7 +49,10 @@ class StalenessGate:
         self.block_ms = block_ms
         self.packed = 0
         """The packer's last built step (``packer:last_step``) at the last refresh."""
-        self._lock = asyncio.Lock()
+        self._reading: asyncio.Task | None = None
+        """The read of the policy stream in flight, shared by every waiter."""
+        self._read_once = False
+        """Whether a read has completed: until then the versions are unknown, not 0."""
 
     def is_open(self, eval_step: int | None = None) -> bool:
         """Whether a group would be admitted with the versions (and last packed step) seen so far."""
@@ -57,17 +62,25 @@ class StalenessGate:
     async def wait(self, eval_step: int | None = None, stop: asyncio.Event | None = None) -> float:
         """Wait until admitted; returns seconds waited. Returns early (not admitted) once ``stop`` is set."""
         started = time.monotonic()
-        async with self._lock:
-            await self._refresh()
+        if self._reading is None or not self._read_once:  # a blocking read in flight: decide on what it started from
+            await self._read(block_ms=None)
         while not self.is_open(eval_step):
             if stop is not None and stop.is_set():
                 break
-            async with self._lock:
-                if not self.is_open(eval_step):
-                    await self._refresh(block_ms=self.block_ms)
+            await self._read(block_ms=self.block_ms)
         return time.monotonic() - started
 
-    async def _refresh(self, block_ms: int | None = None) -> None:
+    async def _read(self, block_ms: int | None) -> None:
+        """Join the read in flight, or start one (waiting up to ``block_ms`` for a policy event)."""
+        if self._reading is None:
+            self._reading = asyncio.create_task(self._refresh(block_ms))
+        await asyncio.shield(self._reading)
+
+    async def _refresh(self, block_ms: int | None) -> None:
         """New policy events (waiting up to ``block_ms`` for one), then the packer's last step."""
-        await self.tracker.refresh(block_ms=block_ms)
-        self.packed = int(await self.tracker.bus.state_get(LAST_STEP_FIELD) or 0)
+        try:
+            await self.tracker.refresh(block_ms=block_ms)
+            self.packed = int(await self.tracker.bus.state_get(LAST_STEP_FIELD) or 0)
+            self._read_once = True
+        finally:
+            self._reading = None

@@ -1,6 +1,7 @@
 """The weights follower: collapsing events, the eval hold."""
 
 import asyncio
+import time
 from pathlib import Path
 
 from bus.messages import WeightFile, WeightUpdate
@@ -60,6 +61,34 @@ def test_eval_hold_keeps_newer_safetensors_updates_back(bus, run_name, tmp_path)
             await until({"early": [1, 2, 3], "late": [1, 2, 3]})
             for task in tasks:
                 task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_released_hold_is_served_long_before_the_next_blocking_read(bus, tmp_path):
+    """The eval is over (the hold moves on): the held step is served at once, not after the next blocking read
+    (``block_ms``, 1 s by default), so training is not held up that long per eval."""
+    from bus.state import EVAL_HOLD_FIELD
+
+    async def main():
+        async with bus("trainer") as b:
+            await b.state_set(**{EVAL_HOLD_FIELD: 1})
+            for step in (1, 2):
+                await b.publish(b.keys.weights(), written(tmp_path, step))
+            served = asyncio.Event()
+
+            async def apply(event: WeightUpdate) -> None:
+                if event.step == 2:
+                    served.set()
+
+            task = asyncio.create_task(WeightsFollower(b, "s0", apply, tmp_path, block_ms=5_000).run())
+            await asyncio.sleep(0.3)
+            assert not served.is_set()
+            released = time.monotonic()
+            await b.state_set(**{EVAL_HOLD_FIELD: 2})
+            await asyncio.wait_for(served.wait(), 10)
+            assert time.monotonic() - released < 1.0
+            task.cancel()
 
     asyncio.run(main())
 

@@ -61,3 +61,23 @@ def test_gate_blocks_while_served_lags_and_releases_on_new_served(bus):
             assert not gate.is_open(eval_step=9)
 
     asyncio.run(main())
+
+
+def test_an_eval_group_passes_at_once_while_training_groups_wait(bus):
+    """Training groups held at the gate (served pinned by the eval hold) share one blocking read of the policy
+    stream: an eval group whose version is served passes at once instead of queueing behind each of their reads."""
+    async def main():
+        async with bus("trainer") as b:
+            await publish_trained(b, 103)
+            await publish_served(b, "s0", 100)  # next packed step 105 keeps policy ≥ 102: training is held
+            gate = StalenessGate(PolicyTracker(b), max_off_policy_steps=2, prefetch_steps=1, block_ms=1_000)
+            held = [asyncio.create_task(gate.wait()) for _ in range(6)]
+            await asyncio.sleep(0.1)
+            started = asyncio.get_running_loop().time()
+            await asyncio.wait_for(gate.wait(eval_step=100), 5)
+            assert asyncio.get_running_loop().time() - started < 0.5
+            assert not any(task.done() for task in held)
+            await publish_served(b, "s0", 102)
+            await asyncio.wait_for(asyncio.gather(*held), 3)  # one read wakes every waiter
+
+    asyncio.run(main())
