@@ -9,8 +9,9 @@ side; at startup the newest ``keep_adapters`` are loaded).
 
 Eval hold: while the run's state field ``eval:hold`` (:data:`bus.state.EVAL_HOLD_FIELD`) is set,
 no safetensors update with ``step > hold`` is served: the follower stops reading at the first such
-event (``last_id`` stays before it) and re-checks the hold every :data:`HOLD_RECHECK_S`, so the eval of step
-``hold`` runs on exactly that version and the next one is served as soon as the hold moves on. nccl events are never held (the trainer waits on the broadcast).
+event (``last_id`` stays before it) and re-checks the hold every :data:`HOLD_RECHECK_S`, so the eval
+of step ``hold`` runs on exactly that version and the next one is served as soon as the hold moves on.
+nccl events are never held (the trainer waits on the broadcast).
 """
 
 import asyncio
