@@ -167,7 +167,8 @@ class InferenceConfig(Section):
     """Longest prompt + completion the server accepts."""
 
     num_threads: int | None = Field(None, ge=1)
-    """torch CPU threads of the server; None = the share ``rlbus run`` assigns."""
+    """torch CPU threads of the server (vLLM: its OpenMP threads, its worker then not pinned to cores); None = the
+    share ``rlbus run`` assigns (a server started on its own keeps the environment's settings)."""
 
     request_timeout_s: float = Field(300.0, gt=0)
     """Client timeout of one request."""

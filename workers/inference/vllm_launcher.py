@@ -104,14 +104,20 @@ def vllm_command(config: RlbusConfig, host: str, port: int) -> list[str]:
 
 
 def vllm_env(config: RlbusConfig) -> dict[str, str]:
-    """Environment of the vLLM process: dev endpoints on, offline, a private cache root, a small CPU KV cache."""
+    """Environment of the vLLM process: dev endpoints on, offline, a private cache root, a small CPU KV cache, the
+    server's thread share (``inference.num_threads``)."""
     env = dict(os.environ)
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CACHE_ROOT", str(Path(config.run.output_dir) / "vllm-cache"))
     if config.inference.num_threads:
-        env.setdefault("OMP_NUM_THREADS", str(config.inference.num_threads))
+        # The server's own share, not the one inherited: `rlbus run` exports the trainer's share to every child, and
+        # vLLM's CPU worker runs OMP_NUM_THREADS threads on the cores it pins itself to (one of two), where two
+        # threads made each LoRA prefill ~200x slower. rlbus shares the cores between its processes, so the worker
+        # is not pinned either, unless the user chose a binding.
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(config.inference.num_threads)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if config.model.lora is not None:
         env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter
     return env
