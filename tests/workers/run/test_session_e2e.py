@@ -250,17 +250,23 @@ def test_kill_9_of_each_role_still_reaches_max_steps(tmp_path, tiny_model_dir, r
         assert len(entries) == int(entries[0][1][b"count"]), f"batches:{step} was built more than once"
 
 
+RESUME_STEPS = 60
+"""Steps of the stopped-and-resumed run: with 10 the stop at step 4 came after the last step (steps 5-10 trained
+in ~1 s while the rollouts drained)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_resume_continues_and_uses_in_flight_rollouts(tmp_path, tiny_model_dir):
+    """Stopped at step 4, then resumed to the end with the groups that were in flight."""
     out = tmp_path / "run"
-    args = ("--run.max_steps", "10", "--eval.env", "none", "--ckpt.interval", "2")
+    args = ("--run.max_steps", str(RESUME_STEPS), "--eval.env", "none", "--ckpt.interval", "2")
     proc = start_run(out, tiny_model_dir, *args)
     wait_step(proc, out, 4)
     proc.send_signal(signal.SIGTERM)
     assert wait_exit(proc, out, 120) == 0
     first = summary(out)
-    assert first["stopped_because"] == "signal" and first["steps_trained"] < 10
+    assert first["stopped_because"] == "signal" and first["steps_trained"] < RESUME_STEPS
     assert not processes_mentioning(str(out))
     # What was in flight when it stopped: groups not yet consumed by the packer.
     with LocalRedis(dir=out / "redis") as server:
@@ -269,14 +275,14 @@ def test_resume_continues_and_uses_in_flight_rollouts(tmp_path, tiny_model_dir):
     proc = start_run(out, tiny_model_dir, *args, extra=("--resume",))
     assert wait_exit(proc, out, 300) == 0, stdout_of(out)[-4000:]
     final = summary(out)
-    assert final["steps_trained"] == 10 and final["stopped_because"] == "max_steps"
+    assert final["steps_trained"] == RESUME_STEPS and final["stopped_because"] == "max_steps"
     assert_counts_add_up(final["groups"])
     with LocalRedis(dir=out / "redis") as server:
         client = redis.Redis.from_url(server.url)
         assert not waiting & _unconsumed_ids(client, keys.filtered("echo_chars"), GROUP_PACKER), \
             "groups in flight at the stop were never consumed after --resume"
     trainer_steps = [r["step"] for r in metric_rows(out) if r["source"] == "trainer"]
-    assert set(trainer_steps) == set(range(1, 11))
+    assert set(trainer_steps) == set(range(1, RESUME_STEPS + 1))
 
 
 def _unconsumed_ids(client: redis.Redis, stream: str, group: str) -> set[bytes]:
