@@ -77,30 +77,45 @@ else
     trap - EXIT
 fi
 
-# 4. The Docker-compatible API socket.
+# 4. The Docker-compatible API socket, served from / (conmon inherits the service's directory: in a checkout deleted
+# since, every container start fails "write child: broken pipe"; a service found in a deleted directory is replaced).
 ping() { curl -fsS --max-time 5 --unix-socket "$SOCK" http://d/_ping >/dev/null 2>&1; }
+SERVICE="podman system service --time=0 unix://$SOCK"
+for pid in $(pgrep -f "$SERVICE"); do
+    if readlink "/proc/$pid/cwd" | grep -q ' (deleted)$'; then
+        say "podman system service (pid $pid) runs in a deleted directory; replacing it"
+        kill "$pid"
+        for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    fi
+done
 if ping; then
     say "podman system service: answering on $SOCK"
 else
     mkdir -p "$(dirname "$SOCK")"
     rm -f "$SOCK"
-    say "starting podman system service --time=0 unix://$SOCK (log: $LOG)"
-    nohup setsid podman system service --time=0 "unix://$SOCK" >>"$LOG" 2>&1 < /dev/null &
+    say "starting $SERVICE (log: $LOG)"
+    (cd / && exec nohup setsid $SERVICE >>"$LOG" 2>&1 < /dev/null) &
     for _ in $(seq 1 50); do ping && break; sleep 0.2; done
     ping || { echo "setup.sh: podman system service did not answer on $SOCK; see $LOG" >&2; exit 1; }
-    say "podman system service: answering on $SOCK (pid $(pgrep -f "podman system service --time=0 unix://$SOCK" | head -1))"
+    say "podman system service: answering on $SOCK (pid $(pgrep -f "$SERVICE" | head -1))"
 fi
 
 # 5. Healthchecks: podman schedules them with systemd timers; without systemd, healthchecks.sh runs them.
 HC_PID=/run/rlbus-podman-healthchecks.pid
+if [ -f "$HC_PID" ] && readlink "/proc/$(cat "$HC_PID")/cwd" | grep -q ' (deleted)$'; then
+    say "healthchecks.sh (pid $(cat "$HC_PID")) runs in a deleted directory; replacing it"
+    kill "$(cat "$HC_PID")"
+    rm -f "$HC_PID"
+fi
 if [ -d /run/systemd/system ]; then
     say "healthchecks: systemd runs them"
 elif [ -f "$HC_PID" ] && kill -0 "$(cat "$HC_PID")" 2>/dev/null; then
     say "healthchecks: deploy/podman/healthchecks.sh running (pid $(cat "$HC_PID"))"
 else
-    nohup setsid bash "$(cd "$(dirname "$0")" && pwd)/healthchecks.sh" >>/var/log/rlbus-podman-healthchecks.log 2>&1 < /dev/null &
+    script="$(cd "$(dirname "$0")" && pwd)/healthchecks.sh"
+    (cd / && exec nohup setsid bash "$script" >>/var/log/rlbus-podman-healthchecks.log 2>&1 < /dev/null) &
     echo $! > "$HC_PID"
-    say "healthchecks: no systemd; started deploy/podman/healthchecks.sh (pid $!)"
+    say "healthchecks: no systemd; started deploy/podman/healthchecks.sh (pid $(cat "$HC_PID"))"
 fi
 
 echo "export DOCKER_HOST=unix://$SOCK"
