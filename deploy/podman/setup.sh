@@ -80,9 +80,10 @@ fi
 # 4. The Docker-compatible API socket, served from / (conmon inherits the service's directory: in a checkout deleted
 # since, every container start fails "write child: broken pipe"; a service found in a deleted directory is replaced).
 ping() { curl -fsS --max-time 5 --unix-socket "$SOCK" http://d/_ping >/dev/null 2>&1; }
+in_deleted_dir() { readlink "/proc/$1/cwd" | grep -q ' (deleted)$'; }
 SERVICE="podman system service --time=0 unix://$SOCK"
 for pid in $(pgrep -f "$SERVICE"); do
-    if readlink "/proc/$pid/cwd" | grep -q ' (deleted)$'; then
+    if in_deleted_dir "$pid"; then
         say "podman system service (pid $pid) runs in a deleted directory; replacing it"
         kill "$pid"
         for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
@@ -102,7 +103,7 @@ fi
 
 # 5. Healthchecks: podman schedules them with systemd timers; without systemd, healthchecks.sh runs them.
 HC_PID=/run/rlbus-podman-healthchecks.pid
-if [ -f "$HC_PID" ] && readlink "/proc/$(cat "$HC_PID")/cwd" | grep -q ' (deleted)$'; then
+if [ -f "$HC_PID" ] && in_deleted_dir "$(cat "$HC_PID")"; then
     say "healthchecks.sh (pid $(cat "$HC_PID")) runs in a deleted directory; replacing it"
     kill "$(cat "$HC_PID")"
     rm -f "$HC_PID"

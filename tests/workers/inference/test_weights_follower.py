@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 from bus.messages import WeightFile, WeightUpdate
+from bus.state import EVAL_HOLD_FIELD
 from bus.weight_files import sha256_of
 from workers.inference.weights_follower import WeightsFollower, _collapse
 
@@ -27,8 +28,6 @@ def test_weight_events_collapse_but_broadcasts_are_all_joined():
 def test_eval_hold_keeps_newer_safetensors_updates_back(bus, run_name, tmp_path):
     """eval:hold=1: step 1 is served, step 2 waits (also for a follower started later) until the hold moves to 2;
     nccl broadcasts are never held."""
-    from bus.state import EVAL_HOLD_FIELD
-
     async def main():
         async with bus("trainer") as b:
             await b.state_set(**{EVAL_HOLD_FIELD: 1})
@@ -68,8 +67,6 @@ def test_eval_hold_keeps_newer_safetensors_updates_back(bus, run_name, tmp_path)
 def test_a_released_hold_is_served_long_before_the_next_blocking_read(bus, tmp_path):
     """The eval is over (the hold moves on): the held step is served at once, not after the next blocking read
     (``block_ms``, 1 s by default), so training is not held up that long per eval."""
-    from bus.state import EVAL_HOLD_FIELD
-
     async def main():
         async with bus("trainer") as b:
             await b.state_set(**{EVAL_HOLD_FIELD: 1})
