@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from bus.arrays import packb
 from bus.commit import CommitConflict, NotOwned
+from bus.entries import Entry
 from bus.errors import RlbusError
 from bus.messages import DeadLetter, Metric, Task
 from bus.policy import PolicyTracker, publish_trained
-from bus.streams import Entry
 from tests.paths import REPO
 
 GROUP = "rollout"

@@ -220,7 +220,7 @@ class EvalCoordinator:
             try:
                 group = RolloutGroup.from_fields(fields)
             except DecodeError as e:
-                await self.bus.dead_letter(stream, entry_id, fields, reason=f"decode: {e}", group=GROUP_EVAL)
+                await self.bus._dead_letter(stream, entry_id, fields, f"decode: {e}", GROUP_EVAL, 1)
                 continue
             pending = self.pending.setdefault(
                 (group.env, group.eval_step), _Pending(expected=len(self.indices.get(group.env, [])))

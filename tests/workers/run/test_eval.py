@@ -69,12 +69,12 @@ def test_a_dead_lettered_eval_task_counts_as_done_and_a_stuck_eval_times_out(bus
             await coordinator.setup()
             assert await b.state_get(EVAL_HOLD_FIELD) == "0"
             await coordinator.issue_due()  # step 0: three tasks
-            tasks = [e.message for e in await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)]
+            entries = await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)
+            tasks = [e.message for e in entries]
             assert len(tasks) == 3
             await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[0], 1.0))
             await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[1], 0.0))
-            entry = (await b.redis.xrange(b.keys.tasks("rev_eval")))[2]
-            await b.dead_letter(b.keys.tasks("rev_eval"), entry[0].decode(), entry[1], reason="env broke")
+            await b.dead_letter(entries[2], reason="env broke")
             await coordinator.collect(block_ms=100)
             assert coordinator.complete(0)
             (_, metric), = [m for m in await b.read_fanout(b.keys.metrics()) if m[1].source == "eval"]

@@ -1,0 +1,91 @@
+"""Reads of the fan-out streams (no consumer group: ``weights``, ``policy``, ``metrics``, ``dead``), a part of
+:class:`bus.streams.Bus`.
+
+Every reader sees every entry and keeps its own place in the stream. An entry that cannot be decoded (or is
+larger than ``redis.max_entry_bytes``) is logged and skipped: a fan-out entry has no owner to dead-letter it.
+"""
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from structlog.typing import FilteringBoundLogger
+
+from bus.codec import Message
+from bus.config import RedisConfig
+from bus.entries import oversize_reason
+from bus.errors import DecodeError
+from bus.keys import Keys
+from bus.messages import decode
+from bus.resp import as_str
+
+
+def warn_if_lagging(log: FilteringBoundLogger, cfg: RedisConfig, replicas: int) -> None:
+    """Log ``replication_lagging`` when fewer than ``redis.wait_replicas`` replicas acknowledged a WAIT."""
+    if replicas < cfg.wait_replicas:
+        log.warning("replication_lagging", replicas=replicas, wanted=cfg.wait_replicas, waited_ms=cfg.wait_timeout_ms)
+
+
+class FanoutReads:
+    """The fan-out reads of :class:`bus.streams.Bus` (which sets these attributes)."""
+
+    redis: aioredis.Redis
+    keys: Keys
+    cfg: RedisConfig
+    worker: str
+    log: FilteringBoundLogger
+
+    async def read_fanout(
+        self, stream: str, last_id: str = "0", count: int = 100, block_ms: int | None = None, *,
+        replicated: bool = False,
+    ) -> list[tuple[str, Message]]:
+        """XREAD entries after ``last_id``; undecodable entries are logged and skipped.
+
+        ``replicated`` is for a reader that keeps what it reads (``metrics.jsonl``): with ``redis.wait_replicas``
+        set, the entries come back only once that many replicas hold them (or ``wait_timeout_ms`` passed, logged
+        ``replication_lagging``), so a failover cannot take back an entry the reader already kept. The XREAD, a
+        PUBLISH on ``keys.barrier()`` (a write that stores nothing: WAIT then covers every write before the read)
+        and the WAIT go in one pipeline, which redis-py retries whole on the promoted primary, never the read alone.
+        """
+        while True:
+            reply = await self._xread(stream, last_id, count, block_ms, replicated and self.cfg.wait_replicas > 0)
+            if not reply:
+                return []
+            out = self._decode_rows(stream, reply[0][1], "fanout_entry_undecodable")
+            if out:
+                return out
+            last_id, block_ms = as_str(reply[0][1][-1][0]), None
+
+    async def _xread(self, stream: str, last_id: str, count: int, block_ms: int | None, replicated: bool) -> Any:
+        if not replicated:
+            return await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xread({stream: last_id}, count=count, block=block_ms)
+        pipe.publish(self.keys.barrier(), self.worker)
+        pipe.wait(self.cfg.wait_replicas, self.cfg.wait_timeout_ms)
+        reply, _, replicas = await pipe.execute()
+        warn_if_lagging(self.log, self.cfg, replicas)
+        return reply
+
+    async def last(self, stream: str, scan: int = 100) -> tuple[str, Message] | None:
+        """The newest entry of ``stream`` that decodes (among the newest ``scan``), or None when there is none."""
+        for raw_id, fields in await self.redis.xrevrange(stream, count=scan):
+            try:
+                return as_str(raw_id), self._decode_fanout(fields)
+            except DecodeError as e:
+                self.log.error("entry_undecodable", stream=stream, entry_id=as_str(raw_id), error=str(e))
+        return None
+
+    def _decode_rows(self, stream: str, rows: list, event: str) -> list[tuple[str, Message]]:
+        out = []
+        for raw_id, fields in rows:
+            try:
+                out.append((as_str(raw_id), self._decode_fanout(fields)))
+            except DecodeError as e:
+                self.log.error(event, stream=stream, entry_id=as_str(raw_id), error=str(e))
+        return out
+
+    def _decode_fanout(self, fields: dict[bytes, bytes]) -> Message:
+        oversize = oversize_reason(fields, self.cfg.max_entry_bytes)
+        if oversize is not None:
+            raise DecodeError(oversize)
+        return decode(fields)
