@@ -66,6 +66,17 @@ class FanoutReads:
         warn_if_lagging(self.log, self.cfg, replicas)
         return reply
 
+    async def read_range(
+        self, stream: str, low: str = "-", high: str = "+", count: int | None = None, *, newest_first: bool = False
+    ) -> list[tuple[str, Message]]:
+        """The entries of ``stream`` from ``low`` to ``high`` (XRANGE; ``newest_first``: XREVRANGE, at most ``count``
+        from ``high`` down), undecodable ones logged and skipped."""
+        if newest_first:
+            rows = await self.redis.xrevrange(stream, max=high, min=low, count=count)
+        else:
+            rows = await self.redis.xrange(stream, min=low, max=high, count=count)
+        return self._decode_rows(stream, rows, "entry_undecodable")
+
     async def last(self, stream: str, scan: int = 100) -> tuple[str, Message] | None:
         """The newest entry of ``stream`` that decodes (among the newest ``scan``), or None when there is none."""
         for raw_id, fields in await self.redis.xrevrange(stream, count=scan):
@@ -74,6 +85,11 @@ class FanoutReads:
             except DecodeError as e:
                 self.log.error("entry_undecodable", stream=stream, entry_id=as_str(raw_id), error=str(e))
         return None
+
+    async def last_id(self, stream: str) -> str:
+        """The id of the newest entry of ``stream`` ("0" when it has none): where a reader of new entries starts."""
+        rows = await self.redis.xrevrange(stream, count=1)
+        return as_str(rows[0][0]) if rows else "0"
 
     def _decode_rows(self, stream: str, rows: list, event: str) -> list[tuple[str, Message]]:
         out = []

@@ -34,6 +34,9 @@ from bus.messages import DeadLetter, decode
 from bus.resp import as_str, fast_packing
 from bus.upkeep import GroupUpkeep
 
+Skip = Callable[[dict[bytes, bytes]], bool] | None
+"""Which raw entries a group read acks without decoding (None: none)."""
+
 RECONNECT_BASE_S = 0.1
 """First wait before retrying a Redis call that failed to connect; it doubles per try."""
 RECONNECT_MAX_S = 5.0
@@ -134,11 +137,13 @@ class Bus(FanoutReads, GroupUpkeep):
                 raise
 
     async def read_group(
-        self, streams: list[str], group: str, count: int = 16, block_ms: int | None = None
+        self, streams: list[str], group: str, count: int = 16, block_ms: int | None = None, *, skip: Skip = None
     ) -> list[Entry]:
         """XREADGROUP ``>`` over ``streams`` (groups are created at ``0`` when missing).
 
-        Entries that fail to decode are dead-lettered (and acked) and left out of the result.
+        Entries that fail to decode are dead-lettered (and acked) and left out of the result; so are, acked
+        without being decoded, the entries whose raw fields ``skip`` returns True for (a reader that takes only
+        some of a stream, such as eval's, tells them by a header field).
         """
         query = {s: ">" for s in streams}
         try:
@@ -151,18 +156,18 @@ class Bus(FanoutReads, GroupUpkeep):
             reply = await self.redis.xreadgroup(group, self.worker, query, count=count, block=block_ms)
         entries: list[Entry] = []
         for stream, items in reply or []:
-            entries += await self._decode_all(as_str(stream), group, items, {})
+            entries += await self._decode_all(as_str(stream), group, items, {}, skip)
         return entries
 
     async def _decode_all(
-        self, stream: str, group: str, items: list, deliveries: dict[str, int]
+        self, stream: str, group: str, items: list, deliveries: dict[str, int], skip: Skip
     ) -> list[Entry]:
-        entries = []
+        entries, skipped = [], []
         max_bytes = self.cfg.max_entry_bytes
         for raw_id, fields in items:
             entry_id = raw_id.decode() if type(raw_id) is bytes else as_str(raw_id)
-            if fields is None:  # deleted (trimmed) while pending
-                await self.ack(stream, group, [entry_id])
+            if fields is None or (skip is not None and skip(fields)):  # None: deleted (trimmed) while pending
+                skipped.append(entry_id)
                 continue
             count = deliveries.get(entry_id, 1) if deliveries else 1
             oversize = oversize_reason(fields, max_bytes)
@@ -175,6 +180,7 @@ class Bus(FanoutReads, GroupUpkeep):
                 await self._dead_letter(stream, entry_id, fields, f"decode: {e}", group, count)
                 continue
             entries.append(Entry(stream, entry_id, fields, message, count))
+        await self.ack(stream, group, skipped)
         return entries
 
     async def reclaim(
@@ -206,7 +212,7 @@ class Bus(FanoutReads, GroupUpkeep):
             claimed += items
             if as_str(cursor) == "0-0":
                 break
-        return await self._redelivered(stream, group, claimed, on_dead)
+        return await self._redelivered(stream, group, claimed, on_dead, None)
 
     async def read_pending(
         self,
@@ -216,24 +222,27 @@ class Bus(FanoutReads, GroupUpkeep):
         count: int = 64,
         *,
         on_dead: Callable[[Entry, CommandRecorder], None] | None = None,
+        skip: Skip = None,
     ) -> tuple[list[Entry], str | None]:
         """This consumer's own pending entries after ``after`` (a restarted worker's replay), through the same
-        delivery-count check as :meth:`reclaim`. Returns the entries and the id to continue after (None: done)."""
+        delivery-count check as :meth:`reclaim` (and ``skip`` as in :meth:`read_group`). Returns the entries and
+        the id to continue after (None: done)."""
         rows = await self.redis.xreadgroup(group, self.worker, {stream: after}, count=count)
         items = rows[0][1] if rows else []
         if not items:
             return [], None
-        return await self._redelivered(stream, group, items, on_dead), as_str(items[-1][0])
+        return await self._redelivered(stream, group, items, on_dead, skip), as_str(items[-1][0])
 
     async def _redelivered(
-        self, stream: str, group: str, items: list, on_dead: Callable[[Entry, CommandRecorder], None] | None
+        self, stream: str, group: str, items: list, on_dead: Callable[[Entry, CommandRecorder], None] | None,
+        skip: Skip,
     ) -> list[Entry]:
         """Decode entries delivered again; one delivered more than ``max_deliveries`` times goes to ``dead``."""
         if not items:
             return []
         deliveries = await self._delivery_counts(stream, group, [as_str(i) for i, f in items if f is not None])
         entries = []
-        for entry in await self._decode_all(stream, group, items, deliveries):
+        for entry in await self._decode_all(stream, group, items, deliveries, skip):
             if entry.deliveries > self.cfg.max_deliveries:
                 reason = f"delivered {entry.deliveries} times (> redis.max_deliveries={self.cfg.max_deliveries})"
                 extra = (lambda pipe, entry=entry: on_dead(entry, pipe)) if on_dead is not None else None

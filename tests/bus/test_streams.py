@@ -132,6 +132,32 @@ def test_an_oversized_entry_goes_to_dead_cut_short_and_fanout_readers_skip_it(bu
     asyncio.run(main())
 
 
+def test_a_group_reader_acks_what_it_skips_unread_and_range_reads_check_the_size(bus):
+    async def main():
+        async with bus("w1", max_entry_bytes=4096) as b:
+            stream = b.keys.tasks("e")
+            ids = await b.publish_many(stream, [task(i) for i in range(4)])
+            def odd(fields):
+                return int(fields[b"example_id"]) % 2 == 1
+
+            entries = await b.read_group([stream], GROUP, count=10, skip=odd)
+            assert [e.message.task_id for e in entries] == ["e:0:0", "e:0:2"]
+            assert (await b.redis.xpending(stream, GROUP))["pending"] == 2  # the skipped two: acked
+            replayed, after = await b.read_pending(stream, GROUP, skip=lambda fields: fields[b"example_id"] == b"2")
+            assert [e.message.task_id for e in replayed] == ["e:0:0"] and after == ids[2]
+
+            metrics = b.keys.metrics()
+            assert await b.last_id(metrics) == "0"
+            small = [await b.publish(metrics, Metric(source=f"m{i}", values={})) for i in range(3)]
+            await b.publish(metrics, Metric(source="x" * 5000, values={}))
+            assert [m.source for _, m in await b.read_range(metrics)] == ["m0", "m1", "m2"]
+            newest = await b.read_range(metrics, high=small[2], count=2, newest_first=True)
+            assert [i for i, _ in newest] == [small[2], small[1]]
+            assert await b.last_id(metrics) not in small  # the oversized one
+
+    asyncio.run(main())
+
+
 def test_fanout_readers_skip_what_they_cannot_decode(bus):
     async def main():
         async with bus("w1") as b:

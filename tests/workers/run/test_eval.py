@@ -93,3 +93,32 @@ def test_a_dead_lettered_eval_task_counts_as_done_and_a_stuck_eval_times_out(bus
             assert await b.state_get(EVAL_HOLD_FIELD) == "10"
 
     asyncio.run(main())
+
+
+def test_a_restarted_coordinator_replays_its_pending_eval_groups_and_acks_training_groups_unread(
+    bus, redis_url, run_name
+):
+    async def main():
+        async with bus("run") as b:
+            config = eval_config(redis_url, run_name, timeout_s=None)
+            first = EvalCoordinator(config, b, {"rev_eval": 50})
+            await first.setup()
+            await first.issue_due()
+            tasks = [e.message for e in await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)]
+            rollouts = b.keys.rollouts("rev_eval")
+            training = RolloutGroup(task_id="rev:0:0", env="rev_eval", example_id="0", samples=[])
+            await b.publish(rollouts, training)
+            await b.publish(rollouts, eval_group(tasks[0], 1.0))
+            await first.collect(block_ms=100)
+            assert (await b.redis.xpending(rollouts, "eval"))["pending"] == 1  # the training group: acked unread
+
+            second = EvalCoordinator(config, b, {"rev_eval": 50})  # the same consumer, restarted
+            await second.setup()
+            assert set(second.pending[("rev_eval", 0)].groups) == {tasks[0].task_id}
+            for task in tasks[1:]:
+                await b.publish(rollouts, eval_group(task, 0.0))
+            await second.collect(block_ms=100)
+            assert second.complete(0)
+            assert (await b.redis.xpending(rollouts, "eval"))["pending"] == 0
+
+    asyncio.run(main())
