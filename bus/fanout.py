@@ -5,6 +5,7 @@ Every reader sees every entry and keeps its own place in the stream. An entry th
 larger than ``redis.max_entry_bytes``) is logged and skipped: a fan-out entry has no owner to dead-letter it.
 """
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -76,6 +77,26 @@ class FanoutReads:
         else:
             rows = await self.redis.xrange(stream, min=low, max=high, count=count)
         return self._decode_rows(stream, rows, "entry_undecodable")
+
+    async def read_all(self, stream: str, low: str = "-", chunk: int = 500) -> AsyncIterator[tuple[str, Message]]:
+        """Every entry of ``stream`` from ``low`` on, oldest first, read ``chunk`` per XRANGE; undecodable ones
+        logged and skipped."""
+        while True:
+            rows = await self.redis.xrange(stream, min=low, count=chunk)
+            for item in self._decode_rows(stream, rows, "entry_undecodable"):
+                yield item
+            if len(rows) < chunk:
+                return
+            low = "(" + as_str(rows[-1][0])
+
+    async def read_headers(
+        self, last_ids: dict[str, str], count: int, block_ms: int | None
+    ) -> list[tuple[str, str, dict[bytes, bytes]]]:
+        """XREAD each stream after its ``last_ids`` entry without decoding: ``(stream, id, fields)`` of each entry,
+        for a reader that looks only at header fields (the feeder, woken by releases). Nothing is decoded, so
+        there is nothing to size-check or skip."""
+        reply = await self.redis.xread(last_ids, count=count, block=block_ms)
+        return [(as_str(stream), as_str(raw_id), fields) for stream, rows in reply or [] for raw_id, fields in rows]
 
     async def last(self, stream: str, scan: int = 100) -> tuple[str, Message] | None:
         """The newest entry of ``stream`` that decodes (among the newest ``scan``), or None when there is none."""

@@ -347,6 +347,19 @@ class Bus(FanoutReads, GroupUpkeep):
             warn_if_lagging(self.log, self.cfg, replicas)
         return [as_str(i) for i in reply[1:]]
 
+    # What a stream holds.
+
+    async def length(self, stream: str) -> int:
+        """XLEN: entries in ``stream`` (0 when there is none)."""
+        return int(await self.redis.xlen(stream))
+
+    async def groups(self, stream: str) -> list[dict]:
+        """XINFO GROUPS of ``stream``: each group's ``name``, ``pending``, ``lag``, … ([] when there is no stream)."""
+        try:
+            return await self.redis.xinfo_groups(stream)
+        except ResponseError:  # no such stream
+            return []
+
     # The run's state hash.
 
     async def state_get(self, field: str) -> str | None:

@@ -7,6 +7,10 @@
   ``workers/tools/``; neither do the stages or the env servers.
 - No import circles, counting imports inside functions too (a deferred import hides a circle, it
   does not remove it).
+- Raw Redis stream calls (``xadd``, ``xreadgroup``, ``xrange``, …) only in ``bus/``: a worker reads and writes
+  messages through :class:`bus.streams.Bus` (size check, delivery count, dead letters) and an operator tool reads
+  raw entries through :mod:`bus.raw_entries`. ``tests/`` and ``benchmarks/`` are not scanned: they call Redis
+  directly to check what the bus wrote and to measure it against bare redis-py.
 """
 
 import ast
@@ -32,6 +36,14 @@ LAUNCHER_PREFIXES = ("workers.run", "workers.tools")
 
 PIPELINE_PREFIXES = ("trainer", "workers.inference", "workers.stages", "workers.envs")
 """What runs a run's data: the trainer, the inference servers, the stages and the env servers."""
+
+
+RAW_STREAM_CALLS = frozenset({
+    "xadd", "xreadgroup", "xread", "xrange", "xrevrange", "xack", "xclaim", "xautoclaim", "xpending",
+    "xpending_range", "xgroup_create", "xgroup_createconsumer", "xgroup_delconsumer", "xgroup_destroy",
+    "xgroup_setid", "xinfo_consumers", "xinfo_groups", "xinfo_stream", "xtrim", "xdel", "xlen",
+})
+"""redis-py's stream commands: called only in ``bus/`` (also as ``execute_command("XADD", …)``)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,27 @@ def test_the_code_keeps_its_layers():
     assert not violations, "layering rules broken:\n" + "\n".join(violations)
 
 
+def raw_stream_calls(source: str, where: str) -> list[str]:
+    """Every raw Redis stream call in the module ``source`` (the file ``where``), as ``where:line calls name``."""
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        name = node.func.attr
+        if name == "execute_command" and node.args and isinstance(node.args[0], ast.Constant):
+            name = str(node.args[0].value).lower()
+        if name in RAW_STREAM_CALLS:
+            found.append((node.lineno, name))
+    return [f"{where}:{line} calls {name}" for line, name in sorted(found)]
+
+
+def test_raw_stream_calls_live_only_in_bus():
+    found = [call for module, path in project_modules().items() if not _under(module, "bus")
+             for call in raw_stream_calls(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, ("raw Redis stream calls outside bus/ (read and write through bus.streams.Bus, or "
+                       "bus.raw_entries for a tool that shows or copies raw entries):\n" + "\n".join(found))
+
+
 def test_there_are_no_import_circles():
     found = circles(import_graph())
     assert not found, "import circles (imports inside functions count):\n" + "\n".join(" ↔ ".join(c) for c in found)
@@ -196,3 +229,5 @@ def test_the_rules_name_a_forbidden_import():
     assert "workers/inference/server.py:4 imports workers.run.status" in violations[3]
     circle = circles(graph + [Import("bus.resp", "bus.codec", "bus/resp.py", 5)])
     assert ["bus.codec", "bus.resp"] in circle
+    planted_calls = 'await bus.redis.xrange(key)\npipe.execute_command("XADD", key, "*", "a", 1)\nbus.publish(k, m)\n'
+    assert raw_stream_calls(planted_calls, "workers/x.py") == ["workers/x.py:1 calls xrange", "workers/x.py:2 calls xadd"]
