@@ -1,6 +1,10 @@
 """The layers of the code, read from its imports with ``ast``: each broken rule names the import and the rule.
 
-- ``bus/`` imports nothing from ``workers/`` or ``trainer/``.
+- Modules are ranked (``RANKS``): the bus < the config (every section's model and the loader) < the shared
+  runtime (the worker lifecycle, the weight format and model loading both the trainer and the inference servers
+  use) < the roles (every other module). A module imports only modules of its own rank or a lower one, so the
+  bus never imports the config, and the config never imports a trainer or worker module that could import it
+  back.
 - No stage imports another stage: what two stages share lives in ``bus/`` (or, for the sample
   filters that both the filter and the packer run, in ``workers/stages/sample_filters.py``).
 - The trainer and the inference server import nothing from ``workers/run/`` (the launcher) or
@@ -19,6 +23,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("bus", "workers", "trainer")
+
+RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("bus", ("bus",)),
+    ("config", ("workers.config", "workers.config_loader", "workers.batch_config", "workers.env_config",
+                "trainer.config")),
+    ("shared runtime", ("workers.lifecycle", "trainer.weights", "trainer.broadcast", "trainer.lora", "trainer.model")),
+    ("roles", ("workers", "trainer")),
+)
+"""Each rank, lowest first, and the modules (or packages) it holds; a module takes the first rank that names it."""
 
 STAGES: dict[str, set[str]] = {
     "feeder": {"feeder"},
@@ -122,12 +135,26 @@ def stage_of(module: str) -> str | None:
     raise AssertionError(f"workers/stages/{leaf}.py belongs to no stage; add it to STAGES or SHARED_STAGE_MODULES")
 
 
+def rank_of(module: str) -> int:
+    """The index in ``RANKS`` of the rank ``module`` belongs to."""
+    for rank, (_, members) in enumerate(RANKS):
+        if _under(module, members):
+            return rank
+    raise AssertionError(f"{module} belongs to no rank; add it to RANKS")
+
+
+RANK_RULE = " < ".join(name for name, _ in RANKS)
+
+
 def layer_violations(imports: list[Import]) -> list[str]:
     """Every import that breaks a layering rule, with the rule it breaks."""
     out = []
     for imp in imports:
-        if _under(imp.source, "bus") and _under(imp.target, ("workers", "trainer")):
-            out.append(f"{imp}: bus/ imports nothing from workers/ or trainer/ (move what it needs into bus/)")
+        source_rank, target_rank = rank_of(imp.source), rank_of(imp.target)
+        if target_rank > source_rank:
+            out.append(f"{imp}: {RANKS[source_rank][0]} module {imp.source} imports {RANKS[target_rank][0]} module "
+                       f"{imp.target}; a module imports only its own rank or a lower one ({RANK_RULE}): move what "
+                       f"it needs down, or {imp.source} up (RANKS in tests/test_layering.py)")
         source_stage, target_stage = stage_of(imp.source), stage_of(imp.target)
         if _under(imp.source, "workers.stages") and target_stage is not None and target_stage != source_stage:
             who = f"stage {source_stage!r}" if source_stage else "a shared stage module"
@@ -213,20 +240,29 @@ def test_every_stage_module_belongs_to_a_stage():
         stage_of(module)
 
 
+def test_every_ranked_name_is_a_module():
+    modules = project_modules()
+    stale = [name for _, members in RANKS for name in members if name not in modules]
+    assert not stale, f"RANKS names modules that do not exist: {stale}"
+
+
 def test_the_rules_name_a_forbidden_import():
     graph = import_graph()
     planted = [
         Import("bus.streams", "workers.config", "bus/streams.py", 1),
+        Import("trainer.config", "trainer.losses", "trainer/config.py", 6),
         Import("workers.stages.packer", "workers.stages.filter", "workers/stages/packer.py", 2),
         Import("trainer.worker", "workers.run.eval", "trainer/worker.py", 3),
         Import("workers.inference.server", "workers.run.status", "workers/inference/server.py", 4),
     ]
     violations = layer_violations(graph + planted)
-    assert len(violations) == 4
-    assert "bus/streams.py:1 imports workers.config: bus/ imports nothing from workers/" in violations[0]
-    assert "stage 'packer' imports stage 'filter'" in violations[1]
-    assert "trainer/worker.py:3 imports workers.run.eval" in violations[2]
-    assert "workers/inference/server.py:4 imports workers.run.status" in violations[3]
+    assert len(violations) == 5
+    assert ("bus/streams.py:1 imports workers.config: bus module bus.streams imports config module workers.config; "
+            "a module imports only its own rank or a lower one (bus < config < shared runtime < roles)") in violations[0]
+    assert "trainer/config.py:6 imports trainer.losses: config module trainer.config imports roles module" in violations[1]
+    assert "stage 'packer' imports stage 'filter'" in violations[2]
+    assert "trainer/worker.py:3 imports workers.run.eval" in violations[3]
+    assert "workers/inference/server.py:4 imports workers.run.status" in violations[4]
     circle = circles(graph + [Import("bus.resp", "bus.codec", "bus/resp.py", 5)])
     assert ["bus.codec", "bus.resp"] in circle
     planted_calls = 'await bus.redis.xrange(key)\npipe.execute_command("XADD", key, "*", "a", 1)\nbus.publish(k, m)\n'
