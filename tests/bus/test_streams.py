@@ -13,8 +13,9 @@ from bus.commit import CommitConflict, NotOwned
 from bus.entries import Entry
 from bus.errors import RlbusError
 from bus.messages import DeadLetter, Metric, Task
-from bus.policy import PolicyTracker, publish_trained
+from bus.policy import PolicyTracker
 from tests.paths import REPO
+from tests.policy import publish_trained
 
 GROUP = "rollout"
 args = st.lists(

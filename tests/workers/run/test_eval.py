@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from bus.messages import RolloutGroup, Sample, Task
-from bus.policy import publish_trained
 from bus.state import EVAL_HOLD_FIELD
+from tests.policy import publish_trained
 from workers.config import RlbusConfig
 from workers.run.eval import EvalCoordinator, eval_steps_due, eval_values, k_values, next_eval_step, pass_at_k
 
