@@ -30,9 +30,10 @@ import redis.asyncio as aioredis  # noqa: E402
 from redis.asyncio.connection import Connection  # noqa: E402
 
 from bus.arrays import pack_message, unpackb  # noqa: E402
+from bus.codec import typed_decoder  # noqa: E402
 from bus.config import RedisConfig  # noqa: E402
 from bus.local_redis import LocalRedis  # noqa: E402
-from bus.messages import _DECODERS, RolloutGroup, Sample, decode  # noqa: E402
+from bus.messages import RolloutGroup, Sample, decode  # noqa: E402
 from bus.resp import fast_packing  # noqa: E402
 from bus.streams import Bus  # noqa: E402
 
@@ -140,7 +141,7 @@ def codec_costs(message: RolloutGroup, repeats: int = 9, number: int = 2000) -> 
         ("XADD packing: redis-py on the fields", lambda: plain.pack_command(*xadd, *flat)),
         ("the bus on entry_args", lambda: fast.pack_command(*xadd, packed)),
         ("decode", lambda: decode(wire)),
-        ("of it msgpack into the checked struct", lambda: _DECODERS[RolloutGroup].decode(wire[b"data"])),
+        ("of it msgpack into the checked struct", lambda: typed_decoder(RolloutGroup).decode(wire[b"data"])),
         ("msgpack alone", lambda: unpackb(wire[b"data"])),
     ]
     best = {name: float("inf") for name, _ in parts}

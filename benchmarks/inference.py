@@ -22,8 +22,11 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-# benchmarks/bus.py would shadow the ``bus`` package when this file runs as a script.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# benchmarks/bus.py would shadow the ``bus`` package when this file runs as a script; the repository root goes
+# first instead (the checkout's packages, and tests/ for the InferenceProcess helper).
+sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
+    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
+]
 
 
 class BareGenerate:
@@ -92,7 +95,7 @@ def main() -> None:
     import torch
 
     from bus.local_redis import free_port
-    from workers.inference.process import InferenceProcess
+    from tests.workers.inference.process import InferenceProcess
     from workers.tools.init_model import build_model
 
     torch.set_num_threads(args.threads)

@@ -1,23 +1,15 @@
-"""Every message on the bus, as msgspec structs with ``to_fields()`` / ``from_fields()``.
+"""Every message on the bus: its schema as a msgspec struct, one class per stream entry kind, and
+:func:`decode` for an entry of any kind.
 
-A stream entry is a flat map: readable header fields first (``kind``, ``v`` and a few values a
-person reads with ``redis-cli XRANGE``), then ``data``: the whole message as msgpack, arrays as
-raw bytes. ``from_fields`` reads only ``kind``, ``v`` and ``data``; the header is for people. The bus sends the
-same fields as ``entry_args()``, already in RESP form.
-
-Decoding validates everything before a worker sees it: msgspec checks each field's type and rejects unknown
-fields as it reads the bytes (in C, straight into the struct; an array field must be one ``bin``), and each struct's
-``__post_init__`` checks the rest (an array's bytes against its item size, bounds, lengths that must agree, finite
-values). The same ``__post_init__`` runs when a worker builds a message, so a bad one fails where it is made; types
-are checked only on decode (a struct built in process takes its fields as given).
+What a message is on the wire (header fields, ``data`` as msgpack, arrays as raw bytes) and how it is checked on
+decode is :mod:`bus.codec`'s; each schema here adds its fields, its header, its version history and, in
+``__post_init__``, the checks its fields need (bounds, lengths that must agree, finite values).
 """
 
-import functools
 import math
-import operator
 import time
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -35,200 +27,23 @@ from bus.arrays import (
     check_finite,
     check_lengths,
     check_token_ids,
-    pack_message,
-    triple_bytes,
-    unpackb,
+)
+from bus.codec import (
+    Message,
+    Struct,
+    check_at_least,
+    check_finite_value,
+    decode_as,
+    entry_kind,
+    triples_to_bytes,
 )
 from bus.errors import DecodeError
-from bus.resp import RespArgs, as_str, bulk
 
 Mode = Literal["rl", "opd", "sft"]
 """Training mode of a sample or micro-batch: rl (policy gradient), opd (on-policy distillation), sft."""
 
 MODES: tuple[Mode, ...] = typing.get_args(Mode)
 """Every mode, in the order a step's micro-batches are packed and its losses reported."""
-
-
-class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
-    """Base of every message and of the structs inside them: keyword fields, unknown fields rejected on decode, not
-    tracked by the garbage collector (a message holds no reference cycle)."""
-
-    def replace(self, **changes: Any) -> typing.Self:
-        """A copy with ``changes``, checked like a new one (its ``__post_init__`` runs)."""
-        return msgspec.structs.replace(self, **changes)
-
-
-class Message(Struct, kw_only=True):
-    """Base of every stream message."""
-
-    KIND: ClassVar[str]
-    V: ClassVar[int] = 1
-    HEADER: ClassVar[tuple[str, ...]] = ()
-    TRIPLES_BEFORE: ClassVar[int] = 0
-    """Schema versions below this held their arrays as wire triples (:func:`bus.arrays.triple_bytes`); 0: none did."""
-
-    def to_fields(self) -> dict[str, bytes | str]:
-        """The stream entry: readable header fields, then ``data`` (msgpack)."""
-        version, payload = self._written_as()
-        fields: dict[str, bytes | str] = {"kind": self.KIND, "v": str(version)}
-        for name, value in zip(self.HEADER, _header_getter(type(self))(self), strict=True):
-            if value is not None:
-                fields[name] = value if type(value) is str else _header_text(value)
-        fields["data"] = pack_message(payload)
-        return fields
-
-    def entry_args(self) -> RespArgs:
-        """The fields and values of :meth:`to_fields` as XADD arguments already in RESP form, what the bus sends: the
-        field names and the ``kind`` and ``v`` values are packed once per kind, so only the header values and ``data``
-        are packed per message."""
-        version, payload = self._written_as()
-        head, names = _resp_layout(type(self), version)
-        pieces = [head]
-        count = 4
-        for name, value in zip(names, _header_getter(type(self))(self), strict=True):
-            if value is not None:
-                text = value if type(value) is str else _header_text(value)
-                pieces.append(f"{name}${len(text) if text.isascii() else len(text.encode())}\r\n{text}\r\n")
-                count += 2
-        data = pack_message(payload)
-        pieces.append(f"$4\r\ndata\r\n${len(data)}\r\n")
-        return RespArgs(count + 2, "".join(pieces).encode(), data)
-
-    def _written_as(self) -> tuple[int, Any]:
-        """The schema version this message is written as, and what its ``data`` holds: the message itself, or its
-        fields as an older version has them (which older readers still take)."""
-        return self.V, self
-
-    def _without(self, *names: str) -> dict[str, Any]:
-        """This message's fields but ``names``: what an older version of it holds."""
-        return {name: getattr(self, name) for name in self.__struct_fields__ if name not in names}
-
-    @classmethod
-    def _bytes_from_triples(cls, payload: dict[str, Any]) -> None:
-        """Put bare bytes in place of the wire triples in an older version's decoded ``payload``."""
-
-    @classmethod
-    def from_fields(cls, fields: Mapping[Any, Any]) -> "Message":
-        """Decode a stream entry of this kind; any problem raises DecodeError."""
-        kind = _text(_get(fields, b"kind"))
-        if kind != cls.KIND:
-            raise DecodeError(f"expected a {cls.KIND!r} entry, got kind {kind!r}")
-        return _decode(cls, fields)
-
-
-def decode(fields: Mapping[Any, Any]) -> Message:
-    """Decode a stream entry of any known kind; any problem raises DecodeError."""
-    kind = _text(_get(fields, b"kind"))
-    cls = MESSAGE_KINDS.get(kind)
-    if cls is None:
-        raise DecodeError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_KINDS)}")
-    return _decode(cls, fields)
-
-
-_MAP_HEADS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
-"""First byte of a msgpack map (fixmap, map 16, map 32)."""
-
-
-def _decode(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
-    raw_v = _get(fields, b"v")
-    try:
-        version = int(raw_v)
-    except (TypeError, ValueError) as e:
-        raise DecodeError(f"schema version v={_text(raw_v)!r} is not an integer") from e
-    if version > cls.V:
-        raise DecodeError(
-            f"{cls.KIND} schema v={version} is newer than this reader's v={cls.V}; upgrade rlbus on this worker"
-        )
-    data = _get(fields, b"data")
-    if version < cls.TRIPLES_BEFORE:
-        return _decode_triples(cls, version, data)
-    try:
-        return _DECODERS[cls].decode(data)
-    except msgspec.ValidationError as e:
-        if data[:1] and data[0] not in _MAP_HEADS:
-            raise DecodeError(f"{cls.KIND} data: expected a map ({e})") from e
-        raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
-    except msgspec.DecodeError as e:
-        raise DecodeError(f"not valid msgpack: {e}") from e
-    except (TypeError, ValueError, OverflowError) as e:  # whatever the bytes were
-        raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
-
-
-def _decode_triples(cls: type[Message], version: int, data: bytes) -> Message:
-    """Decode an entry of an older version whose arrays are wire triples (replayed archives, older writers)."""
-    payload = unpackb(data)
-    if not isinstance(payload, dict):
-        raise DecodeError(f"{cls.KIND} data: expected a map, got {type(payload).__name__}")
-    try:
-        cls._bytes_from_triples(payload)
-        return msgspec.convert(payload, cls)
-    except (msgspec.ValidationError, TypeError, ValueError, OverflowError) as e:
-        raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
-
-
-def _triples_to_bytes(payload: Any, arrays: tuple[tuple[str, np.dtype], ...]) -> None:
-    """Each of ``arrays`` (name, dtype) present in the map ``payload`` from its wire triple to its bytes."""
-    if not isinstance(payload, dict):
-        return  # not a map: msgspec.convert says so
-    for name, dtype in arrays:
-        value = payload.get(name)
-        if value is not None:
-            payload[name] = triple_bytes(value, dtype, name)
-
-
-def _get(fields: Mapping[Any, Any], name: bytes) -> Any:
-    value = fields.get(name)
-    if value is None:
-        value = fields.get(name.decode())
-    if value is None:
-        raise DecodeError(f"entry has no {name.decode()!r} field (fields: {sorted(as_str(k) for k in fields)})")
-    return value
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode()
-        except UnicodeDecodeError as e:
-            raise DecodeError(f"header value {value[:32]!r} is not UTF-8") from e
-    return str(value)
-
-
-@functools.cache
-def _resp_layout(cls: type[Message], version: int) -> tuple[str, tuple[str, ...]]:
-    """The ``kind`` and ``v`` fields of a ``cls`` entry of schema ``version`` in RESP form, and each header field's
-    name (text: a header is built as text and encoded once)."""
-    head = b"".join(map(bulk, (b"kind", cls.KIND.encode(), b"v", str(version).encode())))
-    return head.decode(), tuple(bulk(name.encode()).decode() for name in cls.HEADER)
-
-
-@functools.cache
-def _header_getter(cls: type[Message]) -> Callable[[Message], tuple]:
-    """The values of ``cls.HEADER`` as a tuple, in one call."""
-    if len(cls.HEADER) > 1:
-        return operator.attrgetter(*cls.HEADER)
-    return lambda message: tuple(getattr(message, name) for name in cls.HEADER)
-
-
-def _header_text(value: Any) -> str:
-    kind = type(value)
-    if kind is str:
-        return value
-    if kind is float:
-        return f"{value:.6g}"
-    if kind is bool:
-        return "1" if value else "0"
-    return str(value)
-
-
-def _finite(name: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-
-
-def _at_least(name: str, value: int, low: int) -> None:
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 def training_task_id(env: str, epoch: int, position: int) -> str:
@@ -271,9 +86,9 @@ class Task(Message, kw_only=True):
     """Unix time the feeder issued the task."""
 
     def __post_init__(self) -> None:
-        _at_least("example_index", self.example_index, 0)
-        _at_least("epoch", self.epoch, 0)
-        _at_least("group_size", self.group_size, 1)
+        check_at_least("example_index", self.example_index, 0)
+        check_at_least("epoch", self.epoch, 0)
+        check_at_least("group_size", self.group_size, 1)
 
 
 class Sample(Struct, kw_only=True):
@@ -333,11 +148,11 @@ class Sample(Struct, kw_only=True):
             check_finite(completion_logprobs=logprobs, teacher_logprobs=teacher)
         if not (math.isfinite(self.reward) and math.isfinite(self.advantage) and 0 <= self.temperature < math.inf
                 and self.index >= 0):
-            _finite("reward", self.reward)
-            _finite("advantage", self.advantage)
-            _finite("temperature", self.temperature)
-            _at_least("temperature", self.temperature, 0)
-            _at_least("index", self.index, 0)
+            check_finite_value("reward", self.reward)
+            check_finite_value("advantage", self.advantage)
+            check_finite_value("temperature", self.temperature)
+            check_at_least("temperature", self.temperature, 0)
+            check_at_least("index", self.index, 0)
         # token ids against the vocabulary: the packer's check (it knows the vocabulary)
 
     @property
@@ -406,7 +221,7 @@ class RolloutGroup(Message, kw_only=True):
     def _bytes_from_triples(cls, payload: dict[str, Any]) -> None:
         samples = payload.get("samples")
         for sample in samples if isinstance(samples, list) else ():
-            _triples_to_bytes(sample, _SAMPLE_ARRAYS)
+            triples_to_bytes(sample, _SAMPLE_ARRAYS)
 
 
 class MicroBatch(Message, kw_only=True):
@@ -474,9 +289,9 @@ class MicroBatch(Message, kw_only=True):
         return int(self.loss_mask.sum())
 
     def __post_init__(self) -> None:
-        _at_least("step", self.step, 1)
-        _at_least("index", self.index, 0)
-        _at_least("count", self.count, 1)
+        check_at_least("step", self.step, 1)
+        check_at_least("index", self.index, 0)
+        check_at_least("count", self.count, 1)
         if self.index >= self.count:
             raise ValueError(f"index {self.index} is not below count {self.count}")
         for name, dtype in _MICRO_BATCH_ARRAYS:
@@ -507,7 +322,7 @@ class MicroBatch(Message, kw_only=True):
 
     @classmethod
     def _bytes_from_triples(cls, payload: dict[str, Any]) -> None:
-        _triples_to_bytes(payload, _MICRO_BATCH_ARRAYS)
+        triples_to_bytes(payload, _MICRO_BATCH_ARRAYS)
 
 
 def check_shared_prompts(sample_lengths: np.ndarray, shared: np.ndarray) -> None:
@@ -549,7 +364,7 @@ class WeightFile(Struct, kw_only=True):
     """Hex sha256 of the file."""
 
     def __post_init__(self) -> None:
-        _at_least("bytes", self.bytes, 0)
+        check_at_least("bytes", self.bytes, 0)
 
 
 class WeightTensor(Struct, kw_only=True):
@@ -593,7 +408,7 @@ class WeightUpdate(Message, kw_only=True):
     """Unix time of publication."""
 
     def __post_init__(self) -> None:
-        _at_least("step", self.step, 0)
+        check_at_least("step", self.step, 0)
 
     def _written_as(self) -> tuple[int, Any]:
         """An update without an adapter is written as v1 (no ``adapter`` field), which older readers still take."""
@@ -616,7 +431,7 @@ class PolicyVersion(Message, kw_only=True):
     """Unix time of the event."""
 
     def __post_init__(self) -> None:
-        _at_least("step", self.step, 0)
+        check_at_least("step", self.step, 0)
 
 
 class Metric(Message, kw_only=True):
@@ -661,5 +476,11 @@ MESSAGE_KINDS: dict[str, type[Message]] = {
     cls.KIND: cls for cls in (Task, RolloutGroup, MicroBatch, WeightUpdate, PolicyVersion, Metric, DeadLetter)
 }
 
-_DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in MESSAGE_KINDS.values()}
-"""One typed decoder per message kind: the bytes go straight into the struct, every field checked as it is read."""
+
+def decode(fields: Mapping[Any, Any]) -> Message:
+    """Decode a stream entry of any known kind; any problem raises DecodeError."""
+    kind = entry_kind(fields)
+    cls = MESSAGE_KINDS.get(kind)
+    if cls is None:
+        raise DecodeError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_KINDS)}")
+    return decode_as(cls, fields)

@@ -43,11 +43,6 @@ _PAGE = 1000
 """Policy events read per XREAD; a full page means more may be waiting."""
 
 
-async def publish_trained(bus: Bus, step: int) -> str:
-    """Announce that step ``step``'s weights are written (trainer)."""
-    return await bus.publish(bus.keys.policy(), PolicyVersion(role="trained", step=step))
-
-
 async def publish_served(bus: Bus, server: str, step: int) -> str:
     """Announce that inference server ``server`` now serves the weights of step ``step`` (a heartbeat too)."""
     await heartbeat(bus, server)

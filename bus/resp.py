@@ -16,7 +16,7 @@ class RespArgs:
     """Command arguments already in RESP form: ``count`` bulk strings, written as ``head`` (all of them but the last
     one's bytes) then ``last`` (the last one's bytes: a message's ``data``, sent without a copy when large).
     :class:`FastPackMixin` puts them in place of this one argument; a message's entry travels this way
-    (:meth:`bus.messages.Message.entry_args`)."""
+    (:meth:`bus.codec.Message.entry_args`)."""
 
     __slots__ = ("count", "head", "last")
 

@@ -7,9 +7,10 @@ stages that move a field do so in the same MULTI as the stream writes it account
 from collections.abc import Callable
 
 from bus.commit import CommandRecorder
+from bus.entries import Entry
 from bus.keys import GROUP_FILTER, GROUP_PACKER, GROUP_ROLLOUT
 from bus.messages import RolloutGroup, Task
-from bus.streams import Bus, Entry
+from bus.streams import Bus
 
 INFLIGHT_FIELD = "inflight"
 """Samples issued by the feeder and not yet consumed by the packer (dropped, dead-lettered)."""

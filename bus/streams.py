@@ -10,54 +10,37 @@ decoded, or were delivered more than ``max_deliveries`` times, go to the run's `
 """
 
 import asyncio
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bus.clients import async_client
+from bus.codec import Message
 from bus.commit import COMMIT_LUA, RENEW_LUA, CommandRecorder, CommitConflict, NotOwned, commit_args
 from bus.config import RedisConfig, redact, redis_password
+from bus.entries import Entry, cut, oversize_reason
 from bus.errors import DecodeError, RlbusError
+from bus.fanout import FanoutReads, warn_if_lagging
 from bus.keys import Keys
 from bus.liveness import WorkerHeartbeat
 from bus.log import get_logger
-from bus.messages import DeadLetter, Message, decode
+from bus.messages import DeadLetter, decode
 from bus.resp import as_str, fast_packing
+from bus.upkeep import GroupUpkeep
+
+Skip = Callable[[dict[bytes, bytes]], bool] | None
+"""Which raw entries a group read acks without decoding (None: none)."""
 
 RECONNECT_BASE_S = 0.1
 """First wait before retrying a Redis call that failed to connect; it doubles per try."""
 RECONNECT_MAX_S = 5.0
 """Longest wait between two tries."""
-
-
-KEPT_BYTES = 1024
-"""How much of each field of an oversized entry its dead letter keeps."""
-
-TRIM_INTERVAL_S = 5.0
-"""How often a consuming stage trims its input streams behind their slowest group."""
-
-
-def _entry_id(entry_id: str) -> tuple[int, int]:
-    """A stream entry id as a sortable ``(milliseconds, sequence)``."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def entry_size(fields: dict[bytes, bytes]) -> int:
-    """Bytes of an entry's field names and values."""
-    return sum(map(len, fields)) + sum(map(len, fields.values()))
-
-
-def _oversize_reason(size: int, max_bytes: int) -> str:
-    return f"entry of {size} bytes exceeds redis.max_entry_bytes={max_bytes}"
 
 
 def reconnect_tries(timeout_s: float) -> int:
@@ -68,19 +51,10 @@ def reconnect_tries(timeout_s: float) -> int:
     return tries
 
 
-@dataclass(slots=True)
-class Entry:
-    """One delivered stream entry."""
-
-    stream: str
-    id: str
-    fields: dict[bytes, bytes]
-    message: Message
-    deliveries: int = 1
-
-
-class Bus:
-    """One worker's connection to one run's streams."""
+class Bus(FanoutReads, GroupUpkeep):
+    """One worker's connection to one run's streams: publishing, consumer-group reads, dead letters, commits and
+    the state hash here; fan-out reads in :class:`bus.fanout.FanoutReads`, claims and trimming in
+    :class:`bus.upkeep.GroupUpkeep`."""
 
     def __init__(self, client: aioredis.Redis, run: str, cfg: RedisConfig, worker: str):
         self.redis = client
@@ -163,11 +137,13 @@ class Bus:
                 raise
 
     async def read_group(
-        self, streams: list[str], group: str, count: int = 16, block_ms: int | None = None
+        self, streams: list[str], group: str, count: int = 16, block_ms: int | None = None, *, skip: Skip = None
     ) -> list[Entry]:
         """XREADGROUP ``>`` over ``streams`` (groups are created at ``0`` when missing).
 
-        Entries that fail to decode are dead-lettered (and acked) and left out of the result.
+        Entries that fail to decode are dead-lettered (and acked) and left out of the result; so are, acked
+        without being decoded, the entries whose raw fields ``skip`` returns True for (a reader that takes only
+        some of a stream, such as eval's, tells them by a header field).
         """
         query = {s: ">" for s in streams}
         try:
@@ -180,32 +156,31 @@ class Bus:
             reply = await self.redis.xreadgroup(group, self.worker, query, count=count, block=block_ms)
         entries: list[Entry] = []
         for stream, items in reply or []:
-            entries += await self._decode_all(as_str(stream), group, items, {})
+            entries += await self._decode_all(as_str(stream), group, items, {}, skip)
         return entries
 
     async def _decode_all(
-        self, stream: str, group: str, items: list, deliveries: dict[str, int]
+        self, stream: str, group: str, items: list, deliveries: dict[str, int], skip: Skip
     ) -> list[Entry]:
-        entries = []
+        entries, skipped = [], []
         max_bytes = self.cfg.max_entry_bytes
         for raw_id, fields in items:
             entry_id = raw_id.decode() if type(raw_id) is bytes else as_str(raw_id)
-            if fields is None:  # deleted (trimmed) while pending
-                await self.ack(stream, group, [entry_id])
+            if fields is None or (skip is not None and skip(fields)):  # None: deleted (trimmed) while pending
+                skipped.append(entry_id)
                 continue
             count = deliveries.get(entry_id, 1) if deliveries else 1
-            size = entry_size(fields)
-            if size > max_bytes:
-                cut = {k: v[:KEPT_BYTES] for k, v in fields.items()}
-                await self.dead_letter(stream, entry_id, cut, reason=_oversize_reason(size, max_bytes), group=group,
-                                       deliveries=count)
+            oversize = oversize_reason(fields, max_bytes)
+            if oversize is not None:
+                await self._dead_letter(stream, entry_id, cut(fields), oversize, group, count)
                 continue
             try:
                 message = decode(fields)
             except DecodeError as e:
-                await self.dead_letter(stream, entry_id, fields, reason=f"decode: {e}", group=group, deliveries=count)
+                await self._dead_letter(stream, entry_id, fields, f"decode: {e}", group, count)
                 continue
             entries.append(Entry(stream, entry_id, fields, message, count))
+        await self.ack(stream, group, skipped)
         return entries
 
     async def reclaim(
@@ -237,7 +212,7 @@ class Bus:
             claimed += items
             if as_str(cursor) == "0-0":
                 break
-        return await self._redelivered(stream, group, claimed, on_dead)
+        return await self._redelivered(stream, group, claimed, on_dead, None)
 
     async def read_pending(
         self,
@@ -247,24 +222,27 @@ class Bus:
         count: int = 64,
         *,
         on_dead: Callable[[Entry, CommandRecorder], None] | None = None,
+        skip: Skip = None,
     ) -> tuple[list[Entry], str | None]:
         """This consumer's own pending entries after ``after`` (a restarted worker's replay), through the same
-        delivery-count check as :meth:`reclaim`. Returns the entries and the id to continue after (None: done)."""
+        delivery-count check as :meth:`reclaim` (and ``skip`` as in :meth:`read_group`). Returns the entries and
+        the id to continue after (None: done)."""
         rows = await self.redis.xreadgroup(group, self.worker, {stream: after}, count=count)
         items = rows[0][1] if rows else []
         if not items:
             return [], None
-        return await self._redelivered(stream, group, items, on_dead), as_str(items[-1][0])
+        return await self._redelivered(stream, group, items, on_dead, skip), as_str(items[-1][0])
 
     async def _redelivered(
-        self, stream: str, group: str, items: list, on_dead: Callable[[Entry, CommandRecorder], None] | None
+        self, stream: str, group: str, items: list, on_dead: Callable[[Entry, CommandRecorder], None] | None,
+        skip: Skip,
     ) -> list[Entry]:
         """Decode entries delivered again; one delivered more than ``max_deliveries`` times goes to ``dead``."""
         if not items:
             return []
         deliveries = await self._delivery_counts(stream, group, [as_str(i) for i, f in items if f is not None])
         entries = []
-        for entry in await self._decode_all(stream, group, items, deliveries):
+        for entry in await self._decode_all(stream, group, items, deliveries, skip):
             if entry.deliveries > self.cfg.max_deliveries:
                 reason = f"delivered {entry.deliveries} times (> redis.max_deliveries={self.cfg.max_deliveries})"
                 extra = (lambda pipe, entry=entry: on_dead(entry, pipe)) if on_dead is not None else None
@@ -283,131 +261,41 @@ class Bus:
                 counts[as_str(row["message_id"])] = int(row["times_delivered"])
         return counts
 
-    async def keep_claimed(
-        self,
-        group: str,
-        held: Callable[[], Iterable[tuple[str, str]]],
-        on_lost: Callable[[tuple[str, str]], None] | None = None,
-    ) -> None:
-        """Forever: every ``claim_idle_ms / 3``, reset the idle time of each ``(stream, id)`` of ``held()`` that
-        this consumer still owns (XCLAIM JUSTID: the delivery count stays), so entries still being worked on never
-        look idle to another consumer's :meth:`reclaim`. An entry another consumer took meanwhile is left with it
-        and passed to ``on_lost``. Redis errors are retried; when renewing has failed for ``claim_idle_ms`` the
-        held entries may already be someone else's, and this raises: the worker must stop. Run it beside the
-        worker's loop (``run_until_first``)."""
-        period_s = self.cfg.claim_idle_ms / 3000
-        failing_since: float | None = None
-        while True:
-            await asyncio.sleep(period_s)
-            entries = list(held())
-            try:
-                lost = await self._renew(group, entries)
-            except (RedisError, OSError) as e:
-                now = time.monotonic()
-                failing_since = failing_since or now
-                self.log.warning("keep_alive_failed", group=group, error=str(e))
-                if now - failing_since >= self.cfg.claim_idle_ms / 1000:
-                    raise RlbusError(f"keep-alive failed for {now - failing_since:.1f}s (redis.claim_idle_ms="
-                                     f"{self.cfg.claim_idle_ms}): the entries this worker holds may be reclaimed by "
-                                     f"another; stopping ({e})") from e
-                continue
-            failing_since = None
-            for stream, entry_id in lost:
-                self.log.warning("entry_lost", stream=stream, entry_id=entry_id, hint="another consumer reclaimed it")
-                if on_lost is not None:
-                    on_lost((stream, entry_id))
-
-    async def _renew(self, group: str, entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """Renew the entries this consumer owns; the ones it no longer owns."""
-        if not entries:
-            return []
-        lost = await self._renew_script(keys=[s for s, _ in entries], args=[group, self.worker, *(i for _, i in entries)])
-        return [entries[int(k)] for k in lost]
-
-    async def take_over(self, stream: str, group: str) -> int:
-        """Claim every pending entry of ``group`` on ``stream`` for this consumer at once (JUSTID: delivery counts
-        stay); for a standby that just took a lease, so the dead holder's entries need not wait ``claim_idle_ms``.
-        Returns how many were claimed."""
-        claimed, low = 0, "-"
-        while True:
-            try:
-                rows = await self.redis.xpending_range(stream, group, min=low, max="+", count=1000)
-            except ResponseError as e:
-                if "NOGROUP" in str(e):
-                    return claimed
-                raise
-            theirs = [row["message_id"] for row in rows if as_str(row["consumer"]) != self.worker]
-            if theirs:
-                await self.redis.xclaim(stream, group, self.worker, 0, theirs, justid=True)
-                claimed += len(theirs)
-            if len(rows) < 1000:
-                return claimed
-            low = "(" + as_str(rows[-1]["message_id"])
-
-    async def trim_consumed(self, stream: str) -> int:
-        """XTRIM MINID behind the slowest consumer group of ``stream``: only entries every group has been delivered
-        and has acked go (a group's floor is its oldest pending entry, else its last delivered one). Entries
-        delivered or added meanwhile have larger ids than any floor read here, so they are never trimmed.
-        Returns how many entries were removed."""
-        try:
-            groups = await self.redis.xinfo_groups(stream)
-        except ResponseError:  # no such stream yet
-            return 0
-        floors = []
-        for group in groups:
-            floor = as_str(group["last-delivered-id"])
-            if group["pending"]:
-                oldest = (await self.redis.xpending(stream, group["name"]))["min"]
-                if oldest is not None:  # None: acked since XINFO; the floor read then is still safe
-                    floor = min(floor, as_str(oldest), key=_entry_id)
-            floors.append(floor)
-        if not floors:
-            return 0
-        return int(await self.redis.xtrim(stream, minid=min(floors, key=_entry_id), approximate=False))
-
-    async def trim_consumed_every(self, streams: Iterable[str], interval_s: float = TRIM_INTERVAL_S) -> None:
-        """:meth:`trim_consumed` each of ``streams``, at most once every ``interval_s`` (call it from a loop)."""
-        now = time.monotonic()
-        if now - self._trimmed_at < interval_s:
-            return
-        self._trimmed_at = now
-        for stream in streams:
-            await self.trim_consumed(stream)
-
     async def ack(self, stream: str, group: str, ids: list[str]) -> None:
         if ids:
             await self.redis.xack(stream, group, *ids)
 
     async def dead_letter(
         self,
-        entry: Entry | str,
-        entry_id: str | None = None,
-        fields: dict | None = None,
+        entry: Entry,
         *,
         reason: str,
         group: str | None = None,
-        deliveries: int | None = None,
         extra: Callable[[CommandRecorder], None] | None = None,
     ) -> str | None:
-        """Publish a DeadLetter (reason + original fields) to ``dead`` and, with ``group``, ack the entry.
+        """Publish a DeadLetter (reason + original fields) of ``entry`` to ``dead`` and, with ``group``, ack the entry;
+        ``extra(commands)`` joins the same commit. Returns the dead letter's id (None: the entry is another
+        consumer's now, nothing was written)."""
+        return await self._dead_letter(entry.stream, entry.id, entry.fields, reason, group, entry.deliveries, extra)
 
-        Pass an :class:`Entry`, or ``stream, entry_id, fields``; ``extra(commands)`` joins the same commit.
-        Returns the dead letter's id (None: the entry is another consumer's now, nothing was written).
-        """
-        if isinstance(entry, Entry):
-            stream, entry_id, fields = entry.stream, entry.id, entry.fields
-            deliveries = entry.deliveries if deliveries is None else deliveries
-        else:
-            stream = entry
-        if entry_id is None:
-            raise ValueError("dead_letter needs an Entry or (stream, entry_id, fields)")
+    async def _dead_letter(
+        self,
+        stream: str,
+        entry_id: str,
+        fields: dict,
+        reason: str,
+        group: str | None,
+        deliveries: int,
+        extra: Callable[[CommandRecorder], None] | None = None,
+    ) -> str | None:
+        """:meth:`dead_letter` of an entry in its raw form (one that did not decode has no :class:`Entry`)."""
         letter = DeadLetter(
             stream=stream,
             entry_id=entry_id,
             reason=reason,
             worker=self.worker,
             deliveries=deliveries or 1,
-            fields={as_str(k): v if isinstance(v, bytes) else str(v).encode() for k, v in (fields or {}).items()},
+            fields={as_str(k): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()},
         )
         acks = [(stream, group, entry_id)] if group is not None else []
         try:
@@ -456,73 +344,21 @@ class Bus:
         if status == "conflict":
             raise CommitConflict(f"{as_str(reply[1])} {as_str(reply[2])} is {reply[3]!r}, expected {guard[2]!r}")
         if replicas is not None:
-            self._warn_if_lagging(replicas)
+            warn_if_lagging(self.log, self.cfg, replicas)
         return [as_str(i) for i in reply[1:]]
 
-    # Fan-out reads (no group): weights, policy, metrics.
+    # What a stream holds.
 
-    async def read_fanout(
-        self, stream: str, last_id: str = "0", count: int = 100, block_ms: int | None = None, *,
-        replicated: bool = False,
-    ) -> list[tuple[str, Message]]:
-        """XREAD entries after ``last_id``; undecodable entries are logged and skipped.
+    async def length(self, stream: str) -> int:
+        """XLEN: entries in ``stream`` (0 when there is none)."""
+        return int(await self.redis.xlen(stream))
 
-        ``replicated`` is for a reader that keeps what it reads (``metrics.jsonl``): with ``redis.wait_replicas``
-        set, the entries come back only once that many replicas hold them (or ``wait_timeout_ms`` passed, logged
-        ``replication_lagging``), so a failover cannot take back an entry the reader already kept. The XREAD, a
-        PUBLISH on ``keys.barrier()`` (a write that stores nothing: WAIT then covers every write before the read)
-        and the WAIT go in one pipeline, which redis-py retries whole on the promoted primary, never the read alone.
-        """
-        while True:
-            reply = await self._xread(stream, last_id, count, block_ms, replicated and self.cfg.wait_replicas > 0)
-            if not reply:
-                return []
-            out = []
-            for raw_id, fields in reply[0][1]:
-                last_id = as_str(raw_id)
-                try:
-                    out.append((last_id, self._decode_fanout(fields)))
-                except DecodeError as e:
-                    self.log.error("fanout_entry_undecodable", stream=stream, entry_id=last_id, error=str(e))
-            if out:
-                return out
-            block_ms = None
-
-    async def _xread(self, stream: str, last_id: str, count: int, block_ms: int | None, replicated: bool) -> Any:
-        if not replicated:
-            return await self.redis.xread({stream: last_id}, count=count, block=block_ms)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xread({stream: last_id}, count=count, block=block_ms)
-        pipe.publish(self.keys.barrier(), self.worker)
-        pipe.wait(self.cfg.wait_replicas, self.cfg.wait_timeout_ms)
-        reply, _, replicas = await pipe.execute()
-        self._warn_if_lagging(replicas)
-        return reply
-
-    def _warn_if_lagging(self, replicas: int) -> None:
-        if replicas < self.cfg.wait_replicas:
-            self.log.warning("replication_lagging", replicas=replicas, wanted=self.cfg.wait_replicas,
-                             waited_ms=self.cfg.wait_timeout_ms)
-
-    async def last(self, stream: str, scan: int = 100) -> tuple[str, Message] | None:
-        """The newest entry of ``stream`` that decodes (among the newest ``scan``), or None when there is none."""
-        for raw_id, fields in await self.redis.xrevrange(stream, count=scan):
-            try:
-                return as_str(raw_id), self._decode_fanout(fields)
-            except DecodeError as e:
-                self.log.error("entry_undecodable", stream=stream, entry_id=as_str(raw_id), error=str(e))
-        return None
-
-    def _oversize(self, fields: dict[bytes, bytes]) -> str | None:
-        """Why an entry is too big to decode (None: it is not)."""
-        size = entry_size(fields)
-        return _oversize_reason(size, self.cfg.max_entry_bytes) if size > self.cfg.max_entry_bytes else None
-
-    def _decode_fanout(self, fields: dict[bytes, bytes]) -> Message:
-        oversize = self._oversize(fields)
-        if oversize is not None:
-            raise DecodeError(oversize)
-        return decode(fields)
+    async def groups(self, stream: str) -> list[dict]:
+        """XINFO GROUPS of ``stream``: each group's ``name``, ``pending``, ``lag``, … ([] when there is no stream)."""
+        try:
+            return await self.redis.xinfo_groups(stream)
+        except ResponseError:  # no such stream
+            return []
 
     # The run's state hash.
 

@@ -1,12 +1,20 @@
 """The layers of the code, read from its imports with ``ast``: each broken rule names the import and the rule.
 
-- ``bus/`` imports nothing from ``workers/`` or ``trainer/``.
+- Modules are ranked (``RANKS``): the bus < the config (every section's model and the loader) < the shared
+  runtime (the worker lifecycle, the weight format and model loading both the trainer and the inference servers
+  use) < the roles (every other module). A module imports only modules of its own rank or a lower one, so the
+  bus never imports the config, and the config never imports a trainer or worker module that could import it
+  back.
 - No stage imports another stage: what two stages share lives in ``bus/`` (or, for the sample
   filters that both the filter and the packer run, in ``workers/stages/sample_filters.py``).
 - The trainer and the inference server import nothing from ``workers/run/`` (the launcher) or
   ``workers/tools/``; neither do the stages or the env servers.
 - No import circles, counting imports inside functions too (a deferred import hides a circle, it
   does not remove it).
+- Raw Redis stream calls (``xadd``, ``xreadgroup``, ``xrange``, …) only in ``bus/``: a worker reads and writes
+  messages through :class:`bus.streams.Bus` (size check, delivery count, dead letters) and an operator tool reads
+  raw entries through :mod:`bus.raw_entries`. ``tests/`` and ``benchmarks/`` are not scanned: they call Redis
+  directly to check what the bus wrote and to measure it against bare redis-py.
 """
 
 import ast
@@ -15,6 +23,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("bus", "workers", "trainer")
+
+RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("bus", ("bus",)),
+    ("config", ("workers.config", "workers.config_loader", "workers.batch_config", "workers.env_config",
+                "trainer.config")),
+    ("shared runtime", ("workers.lifecycle", "trainer.weights", "trainer.broadcast", "trainer.lora", "trainer.model")),
+    ("roles", ("workers", "trainer")),
+)
+"""Each rank, lowest first, and the modules (or packages) it holds; a module takes the first rank that names it."""
 
 STAGES: dict[str, set[str]] = {
     "feeder": {"feeder"},
@@ -32,6 +49,14 @@ LAUNCHER_PREFIXES = ("workers.run", "workers.tools")
 
 PIPELINE_PREFIXES = ("trainer", "workers.inference", "workers.stages", "workers.envs")
 """What runs a run's data: the trainer, the inference servers, the stages and the env servers."""
+
+
+RAW_STREAM_CALLS = frozenset({
+    "xadd", "xreadgroup", "xread", "xrange", "xrevrange", "xack", "xclaim", "xautoclaim", "xpending",
+    "xpending_range", "xgroup_create", "xgroup_createconsumer", "xgroup_delconsumer", "xgroup_destroy",
+    "xgroup_setid", "xinfo_consumers", "xinfo_groups", "xinfo_stream", "xtrim", "xdel", "xlen",
+})
+"""redis-py's stream commands: called only in ``bus/`` (also as ``execute_command("XADD", …)``)."""
 
 
 @dataclass(frozen=True)
@@ -110,12 +135,26 @@ def stage_of(module: str) -> str | None:
     raise AssertionError(f"workers/stages/{leaf}.py belongs to no stage; add it to STAGES or SHARED_STAGE_MODULES")
 
 
+def rank_of(module: str) -> int:
+    """The index in ``RANKS`` of the rank ``module`` belongs to."""
+    for rank, (_, members) in enumerate(RANKS):
+        if _under(module, members):
+            return rank
+    raise AssertionError(f"{module} belongs to no rank; add it to RANKS")
+
+
+RANK_RULE = " < ".join(name for name, _ in RANKS)
+
+
 def layer_violations(imports: list[Import]) -> list[str]:
     """Every import that breaks a layering rule, with the rule it breaks."""
     out = []
     for imp in imports:
-        if _under(imp.source, "bus") and _under(imp.target, ("workers", "trainer")):
-            out.append(f"{imp}: bus/ imports nothing from workers/ or trainer/ (move what it needs into bus/)")
+        source_rank, target_rank = rank_of(imp.source), rank_of(imp.target)
+        if target_rank > source_rank:
+            out.append(f"{imp}: {RANKS[source_rank][0]} module {imp.source} imports {RANKS[target_rank][0]} module "
+                       f"{imp.target}; a module imports only its own rank or a lower one ({RANK_RULE}): move what "
+                       f"it needs down, or {imp.source} up (RANKS in tests/test_layering.py)")
         source_stage, target_stage = stage_of(imp.source), stage_of(imp.target)
         if _under(imp.source, "workers.stages") and target_stage is not None and target_stage != source_stage:
             who = f"stage {source_stage!r}" if source_stage else "a shared stage module"
@@ -170,6 +209,27 @@ def test_the_code_keeps_its_layers():
     assert not violations, "layering rules broken:\n" + "\n".join(violations)
 
 
+def raw_stream_calls(source: str, where: str) -> list[str]:
+    """Every raw Redis stream call in the module ``source`` (the file ``where``), as ``where:line calls name``."""
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        name = node.func.attr
+        if name == "execute_command" and node.args and isinstance(node.args[0], ast.Constant):
+            name = str(node.args[0].value).lower()
+        if name in RAW_STREAM_CALLS:
+            found.append((node.lineno, name))
+    return [f"{where}:{line} calls {name}" for line, name in sorted(found)]
+
+
+def test_raw_stream_calls_live_only_in_bus():
+    found = [call for module, path in project_modules().items() if not _under(module, "bus")
+             for call in raw_stream_calls(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, ("raw Redis stream calls outside bus/ (read and write through bus.streams.Bus, or "
+                       "bus.raw_entries for a tool that shows or copies raw entries):\n" + "\n".join(found))
+
+
 def test_there_are_no_import_circles():
     found = circles(import_graph())
     assert not found, "import circles (imports inside functions count):\n" + "\n".join(" ↔ ".join(c) for c in found)
@@ -180,19 +240,30 @@ def test_every_stage_module_belongs_to_a_stage():
         stage_of(module)
 
 
+def test_every_ranked_name_is_a_module():
+    modules = project_modules()
+    stale = [name for _, members in RANKS for name in members if name not in modules]
+    assert not stale, f"RANKS names modules that do not exist: {stale}"
+
+
 def test_the_rules_name_a_forbidden_import():
     graph = import_graph()
     planted = [
         Import("bus.streams", "workers.config", "bus/streams.py", 1),
+        Import("trainer.config", "trainer.losses", "trainer/config.py", 6),
         Import("workers.stages.packer", "workers.stages.filter", "workers/stages/packer.py", 2),
         Import("trainer.worker", "workers.run.eval", "trainer/worker.py", 3),
         Import("workers.inference.server", "workers.run.status", "workers/inference/server.py", 4),
     ]
     violations = layer_violations(graph + planted)
-    assert len(violations) == 4
-    assert "bus/streams.py:1 imports workers.config: bus/ imports nothing from workers/" in violations[0]
-    assert "stage 'packer' imports stage 'filter'" in violations[1]
-    assert "trainer/worker.py:3 imports workers.run.eval" in violations[2]
-    assert "workers/inference/server.py:4 imports workers.run.status" in violations[3]
-    circle = circles(graph + [Import("bus.keys", "bus.streams", "bus/keys.py", 5)])
-    assert ["bus.keys", "bus.streams"] in circle
+    assert len(violations) == 5
+    assert ("bus/streams.py:1 imports workers.config: bus module bus.streams imports config module workers.config; "
+            "a module imports only its own rank or a lower one (bus < config < shared runtime < roles)") in violations[0]
+    assert "trainer/config.py:6 imports trainer.losses: config module trainer.config imports roles module" in violations[1]
+    assert "stage 'packer' imports stage 'filter'" in violations[2]
+    assert "trainer/worker.py:3 imports workers.run.eval" in violations[3]
+    assert "workers/inference/server.py:4 imports workers.run.status" in violations[4]
+    circle = circles(graph + [Import("bus.resp", "bus.codec", "bus/resp.py", 5)])
+    assert ["bus.codec", "bus.resp"] in circle
+    planted_calls = 'await bus.redis.xrange(key)\npipe.execute_command("XADD", key, "*", "a", 1)\nbus.publish(k, m)\n'
+    assert raw_stream_calls(planted_calls, "workers/x.py") == ["workers/x.py:1 calls xrange", "workers/x.py:2 calls xadd"]

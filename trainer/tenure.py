@@ -18,11 +18,11 @@ import os
 import socket
 import uuid
 
+from bus.codec import Message
 from bus.commit import CommitConflict
 from bus.config import redis_password
 from bus.errors import ConfigError, RlbusError
 from bus.lease import Lease, LeaseKeeper, LeaseLost
-from bus.messages import Message
 from bus.resp import as_str
 from bus.state import TRAINER_FIELD
 from bus.streams import Bus

@@ -15,6 +15,8 @@ import os
 import time
 import uuid
 
+import torch
+
 from bus.archive import write_step
 from bus.errors import ConfigError, RlbusError
 from bus.log import configure_logging, get_logger
@@ -30,6 +32,25 @@ from bus.state import (
     is_progress_field,
 )
 from bus.weight_files import weights_root
+from trainer.broadcast import WeightBroadcaster
+from trainer.checkpoint import Checkpointer
+from trainer.dist import close_distributed, full_state_dict, init_distributed, prepare_model, spawn
+from trainer.logprobs import PolicyModel
+from trainer.lora import ADAPTER_CONFIG, adapter_tensors, inject, peft_config, save_adapter
+from trainer.losses import loss_fns
+from trainer.model import count_parameters, load_model, resolve_device, resolve_dtype
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.step import to_batch, train_step
+from trainer.tenure import TrainerTenure
+from trainer.weights import (
+    INDEX_NAME,
+    HostCopy,
+    describe_weights,
+    prune_weights,
+    remove_interrupted_saves,
+    save_weights,
+    weights_dir,
+)
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, run_worker
 
@@ -38,9 +59,6 @@ class TrainerWorker:
     """One data-parallel rank of the trainer (rank 0 also publishes weights, versions and metrics)."""
 
     def __init__(self, config: RlbusConfig):
-        from trainer.dist import init_distributed
-        from trainer.model import resolve_device
-
         self.config = config
         self.cfg = config.trainer
         self.device = resolve_device(self.cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -61,23 +79,27 @@ class TrainerWorker:
         self._stop.set()
 
     async def setup(self) -> None:
-        import torch
+        """Model and optimizer, the bus; then, once this trainer holds the lease, resume and announce the version."""
+        self._build_policy()
+        self._build_optimizer()
+        await self._connect()
+        self.log.info("trainer_standby", holder=self.tenure.holder, hint="waiting for the trainer lease")
+        if not await self.tenure.acquire(self._stop):
+            return
+        self._remove_interrupted_saves()
+        resumed = await self._resume()
+        await self.tenure.claim(self.step)
+        self._start_broadcaster()
+        self.log.info("trainer_ready", step=self.step, resumed=resumed, params=self.n_params,
+                      device=str(self.device), world_size=self.ctx.world_size, model=self.config.model.path)
+        await self._announce_start()
 
-        from trainer.checkpoint import Checkpointer
-        from trainer.dist import prepare_model
-        from trainer.logprobs import PolicyModel
-        from trainer.losses import loss_fns
-        from trainer.model import count_parameters, load_model, resolve_dtype
-        from trainer.optim import build_optimizer, build_scheduler
-        from trainer.tenure import TrainerTenure
-        from trainer.weights import HostCopy, remove_interrupted_saves
-
+    def _build_policy(self) -> None:
+        """The policy (with its LoRA adapter under ``[model.lora]``) and the frozen reference, seeded."""
         torch.manual_seed(self.config.run.seed)
         lm = load_model(self.config.model.path, self.device, resolve_dtype(self.config.model.dtype, self.device))
         self.lora = None
         if self.config.model.lora is not None:
-            from trainer.lora import inject, peft_config
-
             lora = self.config.model.lora
             self.lora = peft_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules, self.config.model.path)
             inject(lm, self.lora)
@@ -88,20 +110,30 @@ class TrainerWorker:
                                                 keep_bytes=self.cfg.logits_keep_mb * 2**20),
                                     self.ctx, self.device.type, self.cfg.compile)
         self.reference = self._reference()
+
+    def _build_optimizer(self) -> None:
+        """Optimizer, schedule, losses, the checkpointer and the pinned host copy for saving weights."""
         self.optimizer = build_optimizer(self.policy, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg, self.config.run.max_steps)
         self.loss_fns = loss_fns(self.cfg.loss)
         self.ckpt = Checkpointer(self.output_dir, self.config.ckpt, self.ctx, trainable_only=self.lora is not None)
         self.host_copy = HostCopy()
+
+    async def _connect(self) -> None:
         self.bus = await connect_bus(self.config, f"trainer-{self.ctx.rank}")
         self.tracker = PolicyTracker(self.bus)
         self.tenure = TrainerTenure(self.bus, self.config, self.ctx)
-        self.log.info("trainer_standby", holder=self.tenure.holder, hint="waiting for the trainer lease")
-        if not await self.tenure.acquire(self._stop):
+
+    def _remove_interrupted_saves(self) -> None:
+        """Rank 0: delete weights and checkpoints a killed trainer left half-written."""
+        if not self.ctx.is_main:
             return
-        if self.ctx.is_main:
-            for path in remove_interrupted_saves(weights_root(self.output_dir)) + remove_interrupted_saves(self.ckpt.root):
-                self.log.warning("interrupted_save_removed", path=str(path))
+        for path in remove_interrupted_saves(weights_root(self.output_dir)) + remove_interrupted_saves(self.ckpt.root):
+            self.log.warning("interrupted_save_removed", path=str(path))
+
+    async def _resume(self) -> bool:
+        """Load the checkpoint ``ckpt.resume_step`` names (weights only under ``ckpt.skip_progress``) and check the
+        run epoch against Redis's; whether training continues from it."""
         resume = self.ckpt.resolve(self.config.ckpt.resume_step)
         made_in = progress = None
         if resume is not None and self.config.ckpt.skip_progress:
@@ -112,15 +144,18 @@ class TrainerWorker:
             made_in, progress = self.ckpt.load(resume, self.policy, self.optimizer, self.scheduler)
             self.step = resume
         self.run_epoch = await self._run_epoch(resume, made_in, progress)
-        await self.tenure.claim(self.step)
-        if self.ctx.is_main and self.cfg.weight_transport == "nccl":
-            from trainer.broadcast import WeightBroadcaster
+        return resume is not None
 
+    def _start_broadcaster(self) -> None:
+        """Rank 0 under ``trainer.weight_transport = "nccl"``: the broadcast group's sending side."""
+        if self.ctx.is_main and self.cfg.weight_transport == "nccl":
             receivers = self.cfg.inference_world_size or len(self.config.inference_urls())
             self.broadcaster = WeightBroadcaster(self.cfg.nccl_host, self.cfg.nccl_port, receivers, self.device,
                                                  self.cfg.broadcast_timeout_s)
-        self.log.info("trainer_ready", step=self.step, resumed=resume is not None, params=self.n_params,
-                      device=str(self.device), world_size=self.ctx.world_size, model=self.config.model.path)
+
+    async def _announce_start(self) -> None:
+        """A resumed trainer re-publishes its step's weights and ``trained``; a fresh one ``trained = 0`` (or warns
+        when the run already trained: it does not start a run's versions over)."""
         if self.step > 0:
             await self.publish_weights(self.step, republish=True)
         elif self.ctx.is_main:
@@ -133,10 +168,6 @@ class TrainerWorker:
 
     def _reference(self):
         """The frozen reference policy of ``trainer.kl_penalty_coef`` (None when the penalty is off)."""
-        from trainer.logprobs import PolicyModel
-        from trainer.model import load_model, resolve_dtype
-        from trainer.weights import weights_dir
-
         if not self.cfg.kl_penalty_coef:
             return None
         step = self.cfg.kl_penalty_reference_step
@@ -247,8 +278,6 @@ class TrainerWorker:
         return last is not None and last < step
 
     def train(self, step: int, micro_batches: list[MicroBatch], wait_s: float) -> dict[str, float]:
-        from trainer.step import to_batch, train_step
-
         batches = [to_batch(mb, self.device, step) for mb in micro_batches]
         return train_step(self.policy, self.optimizer, self.scheduler, batches, loss_fns=self.loss_fns, ctx=self.ctx,
                           step=step, max_grad_norm=self.cfg.max_grad_norm, n_params=self.n_params, wait_s=wait_s,
@@ -257,14 +286,10 @@ class TrainerWorker:
 
     async def publish_weights(self, step: int, republish: bool = False) -> None:
         """Weights of ``step`` to inference servers, then ``trained = step`` (rank 0; every rank gathers)."""
-        from trainer.dist import full_state_dict
-
         state = full_state_dict(self.policy, self.ctx)
         if not self.ctx.is_main:
             return
         if self.lora is not None:
-            from trainer.lora import adapter_tensors
-
             state = adapter_tensors(state)
         bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
         if bad:
@@ -283,9 +308,6 @@ class TrainerWorker:
         self.log.info("weights_published", step=step, format=event.format, dir=event.dir)
 
     async def _save_weights(self, step: int, state, republish: bool) -> WeightUpdate:
-        from trainer.lora import ADAPTER_CONFIG, save_adapter
-        from trainer.weights import INDEX_NAME, describe_weights, save_weights, weights_dir
-
         path = weights_dir(self.output_dir, step)
         written = path / (ADAPTER_CONFIG if self.lora is not None else INDEX_NAME)
         if republish and written.exists():
@@ -299,8 +321,6 @@ class TrainerWorker:
         return WeightUpdate(step=step, format="safetensors", dir=str(path.resolve()), files=files, adapter=adapter)
 
     async def _prune(self, step: int) -> None:
-        from trainer.weights import prune_weights
-
         await self.tracker.refresh()
         protected = set(self.tracker.served_by.values()) | {step, self.cfg.kl_penalty_reference_step or step}
         hold = await self.bus.state_get(EVAL_HOLD_FIELD)
@@ -318,8 +338,6 @@ class TrainerWorker:
         self.log.info("train_step", step=step, **shown)
 
     async def close(self) -> None:
-        from trainer.dist import close_distributed
-
         if self.tenure is not None:
             await self.tenure.close()
         if self.bus is not None:
@@ -328,8 +346,6 @@ class TrainerWorker:
 
 
 def _run_rank(config: RlbusConfig) -> None:
-    import torch
-
     if config.trainer.num_threads:
         torch.set_num_threads(config.trainer.num_threads)
     configure_logging(config.log)
@@ -342,8 +358,6 @@ def main(config: RlbusConfig, argv: list[str]) -> int:
     parser.add_argument("--nproc", type=int, default=config.trainer.nproc, help="data-parallel ranks to spawn")
     args = parser.parse_args(argv)
     if args.nproc > 1 and "RANK" not in os.environ:
-        from trainer.dist import spawn
-
         config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"nproc": args.nproc})})
         spawn(args.nproc, _run_rank, (config,))
         return 0

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from bus.policy import PolicyTracker, heartbeat, publish_served, publish_trained, server_stopped
+from bus.policy import PolicyTracker, heartbeat, publish_served, server_stopped
+from tests.policy import publish_trained
 
 
 def test_policy_tracker(bus):

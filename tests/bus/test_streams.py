@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 
 from bus.arrays import packb
 from bus.commit import CommitConflict, NotOwned
+from bus.entries import Entry
 from bus.errors import RlbusError
 from bus.messages import DeadLetter, Metric, Task
-from bus.policy import PolicyTracker, publish_trained
-from bus.streams import Entry
+from bus.policy import PolicyTracker
 from tests.paths import REPO
+from tests.policy import publish_trained
 
 GROUP = "rollout"
 args = st.lists(
@@ -128,6 +129,20 @@ def test_an_oversized_entry_goes_to_dead_cut_short_and_fanout_readers_skip_it(bu
             assert [m.source for _, m in await b.read_fanout(b.keys.metrics())] == ["small"]
             await b.publish(b.keys.metrics(), Metric(source="y" * 5000, step=3, values={}))
             assert (await b.last(b.keys.metrics()))[1].source == "small"
+
+    asyncio.run(main())
+
+
+def test_a_group_reader_acks_what_it_skips_unread(bus):
+    async def main():
+        async with bus("w1") as b:
+            stream = b.keys.tasks("e")
+            ids = await b.publish_many(stream, [task(i) for i in range(4)])
+            entries = await b.read_group([stream], GROUP, count=10, skip=lambda f: int(f[b"example_id"]) % 2 == 1)
+            assert [e.message.task_id for e in entries] == ["e:0:0", "e:0:2"]
+            assert (await b.redis.xpending(stream, GROUP))["pending"] == 2  # the skipped two: acked
+            replayed, after = await b.read_pending(stream, GROUP, skip=lambda f: f[b"example_id"] == b"2")
+            assert [e.message.task_id for e in replayed] == ["e:0:0"] and after == ids[2]
 
     asyncio.run(main())
 
@@ -446,44 +461,3 @@ def test_a_password_from_the_environment_and_never_in_what_is_printed(tmp_path, 
     assert redact("redis://user:hunter2@host:6379/0") == "redis://user:***@host:6379/0"
     assert redact("rediss://:hunter2@host/0") == "rediss://:***@host/0"
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
-
-
-def test_group_streams_are_trimmed_by_consumption_never_past_a_pending_entry(bus):
-    async def main():
-        async with bus("w1", maxlen=3) as b:
-            stream = b.keys.tasks("e")
-            await b.ensure_group(stream, GROUP)
-            await b.publish_many(stream, [task(i) for i in range(10)])
-            assert await b.redis.xlen(stream) == 10  # MAXLEN never applies to a consumer group's stream
-            first = await b.read_group([stream], GROUP, count=6)
-            await b.ack(stream, GROUP, [e.id for e in first[:2]] + [e.id for e in first[3:]])  # 2 stays pending
-            await b.trim_consumed(stream)
-            left = [e[0].decode() for e in await b.redis.xrange(stream)]
-            assert left[0] == first[2].id and len(left) == 8  # the pending one and the 4 never delivered stay
-            await b.ack(stream, GROUP, [first[2].id])
-            await b.trim_consumed(stream)
-            assert [e[0].decode() for e in await b.redis.xrange(stream)][0] == first[5].id  # the last delivered
-            await b.ensure_group(stream, "second", start_id="0")  # a second group that has read nothing
-            await b.publish(stream, task(10))
-            await b.trim_consumed(stream)
-            assert await b.redis.xlen(stream) == 6
-
-    asyncio.run(main())
-
-
-def test_a_trim_racing_the_last_ack_of_a_group_does_not_crash(bus):
-    async def main():
-        async with bus("w1") as b:
-            stream = b.keys.tasks("e")
-            await b.publish_many(stream, [task(i) for i in range(3)])
-            entries = await b.read_group([stream], GROUP, count=3)
-            real = b.redis.xpending
-
-            async def acked_meanwhile(key, group):  # XINFO saw pending entries; the ack landed before XPENDING
-                await b.ack(stream, GROUP, [e.id for e in entries])
-                return await real(key, group)
-
-            b.redis.xpending = acked_meanwhile
-            assert await b.trim_consumed(stream) == 2  # MINID keeps the last delivered entry itself
-
-    asyncio.run(main())

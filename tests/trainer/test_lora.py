@@ -9,11 +9,11 @@ from bus.local_redis import free_port
 from bus.messages import Metric, WeightUpdate
 from bus.policy import PolicyTracker
 from tests.trainer.test_weights_to_inference import batch_from
+from tests.workers.inference.process import InferenceProcess
 from trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_key, merged_model
 from trainer.worker import TrainerWorker
 from workers.config_loader import load_config
 from workers.inference.client import InferenceClient
-from workers.inference.process import InferenceProcess
 from workers.lifecycle import run_worker
 
 torch.set_num_threads(1)

@@ -8,10 +8,10 @@ import torch
 from bus.local_redis import free_port
 from bus.messages import Metric, MicroBatch
 from bus.policy import PolicyTracker
+from tests.workers.inference.process import InferenceProcess
 from trainer.worker import TrainerWorker
 from workers.config import RlbusConfig
 from workers.inference.client import InferenceClient
-from workers.inference.process import InferenceProcess
 from workers.lifecycle import run_worker
 
 torch.set_num_threads(1)

@@ -18,11 +18,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from bus.errors import DecodeError
 from bus.log import get_logger
-from bus.messages import WeightUpdate, decode
+from bus.messages import WeightUpdate
 from bus.policy import HEARTBEAT_S, heartbeat, publish_served
-from bus.resp import as_str
 from bus.state import EVAL_HOLD_FIELD
 from bus.streams import Bus
 from bus.weight_files import check_update
@@ -106,13 +104,10 @@ class WeightsFollower:
         """Up to ``keep_adapters - 1`` adapter events older than ``step``, at or before ``entry_id``, oldest first."""
         if self.keep_adapters <= 1:
             return []
-        rows = await self.bus.redis.xrevrange(self.bus.keys.weights(), max=entry_id, count=4 * self.keep_adapters)
+        rows = await self.bus.read_range(self.bus.keys.weights(), high=entry_id, count=4 * self.keep_adapters,
+                                         newest_first=True)
         found: list[WeightUpdate] = []
-        for _, fields in rows:
-            try:
-                message = decode(fields)
-            except DecodeError:
-                continue
+        for _, message in rows:
             if isinstance(message, WeightUpdate) and message.adapter is not None and self.step < message.step < step:
                 found.append(message)
             if len(found) == self.keep_adapters - 1:
@@ -128,16 +123,11 @@ class WeightsFollower:
         stream = self.bus.keys.weights()
         if hold is None:
             return await self.bus.last(stream)
-        rows = await self.bus.redis.xrange(stream)
         newest = None
-        for raw_id, fields in rows:
-            try:
-                message = decode(fields)
-            except DecodeError:
-                continue
+        for entry_id, message in await self.bus.read_range(stream):
             if isinstance(message, WeightUpdate) and _held(message, hold):
                 break
-            newest = (as_str(raw_id), message)
+            newest = (entry_id, message)
         return newest
 
     async def _load(self, event: WeightUpdate) -> bool:

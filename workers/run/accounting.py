@@ -10,7 +10,6 @@ are consumed, so they are not where groups are counted.
 
 from bus.errors import DecodeError
 from bus.messages import DeadLetter, RolloutGroup, decode
-from bus.resp import as_str
 from bus.state import unconsumed_entries
 from bus.streams import Bus
 from workers.config import RlbusConfig
@@ -40,23 +39,20 @@ async def group_counts(bus: Bus, config: RlbusConfig, rows: list[dict], trained:
 
 async def dead_groups(bus: Bus) -> int:
     """Training groups dead-lettered from ``rollouts:*`` or ``filtered:*`` (eval groups excluded)."""
-    count, start = 0, "-"
-    while True:
-        rows = await bus.redis.xrange(bus.keys.dead(), min=start, count=500)
-        for _, fields in rows:
-            stream = as_str(fields.get(b"stream", b""))
-            family = bus.keys.family(stream) if stream.startswith(bus.keys.prefix) else ""
-            if family in ("rollouts", "filtered") and _is_training_group(fields):
-                count += 1
-        if len(rows) < 500:
-            return count
-        start = "(" + as_str(rows[-1][0])
+    count = 0
+    async for _, letter in bus.read_all(bus.keys.dead()):
+        if not isinstance(letter, DeadLetter):
+            continue
+        family = bus.keys.family(letter.stream) if letter.stream.startswith(bus.keys.prefix) else ""
+        if family in ("rollouts", "filtered") and _is_training_group(letter):
+            count += 1
+    return count
 
 
-def _is_training_group(fields: dict) -> bool:
+def _is_training_group(letter: DeadLetter) -> bool:
     """Whether a dead letter holds a training group (not an eval group, not bytes that never were a group)."""
     try:
-        group = decode(DeadLetter.from_fields(fields).fields)
+        group = decode(letter.fields)
     except DecodeError:
         return False
     return isinstance(group, RolloutGroup) and group.eval_step is None

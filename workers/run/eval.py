@@ -21,16 +21,27 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from bus.entries import Entry
 from bus.errors import DecodeError
 from bus.keys import GROUP_EVAL
 from bus.log import get_logger
 from bus.messages import DeadLetter, Metric, RolloutGroup, Task, decode
 from bus.policy import PolicyTracker
-from bus.resp import as_str
 from bus.state import EVAL_HOLD_FIELD, eval_done_field, eval_issued_field
 from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.env_config import EvalEnvConfig
+
+READ_COUNT = 256
+"""Entries of ``rollouts:*`` read per call."""
+
+PENDING_READ_COUNT = 1000
+"""Pending entries replayed per call at setup."""
+
+
+def _training_group(fields: dict[bytes, bytes]) -> bool:
+    """Whether a ``rollouts:*`` entry is a training group (no ``eval_step`` header): eval acks it unread."""
+    return b"eval_step" not in fields
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -114,8 +125,6 @@ class EvalCoordinator:
         self.indices = {name: self._indices(env, sizes[name]) for name, env in self.envs.items()}
         self.pending: dict[tuple[str, int], _Pending] = {}
         self.finished: set[tuple[str, int]] = set()
-        self.consumer = bus.worker
-        """Consumer name in group ``eval``: the bus's own, so its commits may ack what it read."""
         self.log = get_logger(worker="eval", run=config.run.name)
         self.dead_last_id = "0"
         """Where the coordinator reads ``dead`` from: set at setup to its end (older evals are done or time out)."""
@@ -132,15 +141,16 @@ class EvalCoordinator:
     async def setup(self) -> None:
         """Groups, the hold for the first eval (before any server loads newer weights), pending groups."""
         await self.update_hold()
-        last_dead = await self.bus.redis.xrevrange(self.bus.keys.dead(), count=1)
-        self.dead_last_id = as_str(last_dead[0][0]) if last_dead else "0"
+        self.dead_last_id = await self.bus.last_id(self.bus.keys.dead())
         for stream in self.streams:
             await self.bus.ensure_group(stream, GROUP_EVAL)
         # Groups read before a restart and not yet aggregated are pending for this consumer: read them first.
         for stream in self.streams:
-            reply = await self.bus.redis.xreadgroup(GROUP_EVAL, self.consumer, {stream: "0"}, count=10_000)
-            for _, items in reply or []:
-                await self._take(stream, items)
+            after: str | None = "0"
+            while after is not None:
+                entries, after = await self.bus.read_pending(stream, GROUP_EVAL, after, count=PENDING_READ_COUNT,
+                                                             skip=_training_group)
+                await self._take(entries)
 
     async def update_hold(self) -> int | None:
         """Set ``eval:hold`` to the next eval step some env has not finished (delete it when none is left)."""
@@ -180,11 +190,8 @@ class EvalCoordinator:
 
     async def collect(self, block_ms: int | None = None) -> None:
         """Read new entries of ``rollouts:*``; ack training groups; finish complete evals."""
-        reply = await self.bus.redis.xreadgroup(
-            GROUP_EVAL, self.consumer, {s: ">" for s in self.streams}, count=256, block=block_ms
-        )
-        for stream, items in reply or []:
-            await self._take(as_str(stream), items)
+        await self._take(await self.bus.read_group(self.streams, GROUP_EVAL, count=READ_COUNT, block_ms=block_ms,
+                                                   skip=_training_group))
         await self._take_dead()
         timeout_s = self.config.eval.timeout_s
         for key, pending in list(self.pending.items()):
@@ -210,24 +217,18 @@ class EvalCoordinator:
                 if pending is not None:
                     pending.dead.add(task.task_id)
 
-    async def _take(self, stream: str, items: list) -> None:
-        skip = []
-        for raw_id, fields in items:
-            entry_id = as_str(raw_id)
-            if not fields or b"eval_step" not in fields:
-                skip.append(entry_id)
-                continue
-            try:
-                group = RolloutGroup.from_fields(fields)
-            except DecodeError as e:
-                await self.bus.dead_letter(stream, entry_id, fields, reason=f"decode: {e}", group=GROUP_EVAL)
+    async def _take(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            group = entry.message
+            if not isinstance(group, RolloutGroup):
+                await self.bus.dead_letter(entry, reason=f"expected a rollout group, got {group.KIND!r}",
+                                           group=GROUP_EVAL)
                 continue
             pending = self.pending.setdefault(
                 (group.env, group.eval_step), _Pending(expected=len(self.indices.get(group.env, [])))
             )
             pending.groups[group.task_id] = group
-            pending.entries.append((stream, entry_id))
-        await self.bus.ack(stream, GROUP_EVAL, skip)
+            pending.entries.append((entry.stream, entry.id))
 
     async def _finish(self, env: str, step: int, timed_out: bool = False) -> None:
         pending = self.pending.pop((env, step))

@@ -114,7 +114,7 @@ class RunProbe:
             step_s=trainer.get("step_time_s"),
             trainer_idle_s=trainer.get("wait_s"),
             counters=self.counters(),
-            dead=int(await self.bus.redis.xlen(self.bus.keys.dead())),
+            dead=await self.bus.length(self.bus.keys.dead()),
             lags=await self.stream_lags(),
             elapsed_s=time.monotonic() - self.started,
         )
@@ -142,14 +142,14 @@ class RunProbe:
         for stream, group in wanted:
             if not await self.bus.redis.exists(stream):
                 continue
-            length = int(await self.bus.redis.xlen(stream))
-            for info in await self.bus.redis.xinfo_groups(stream):
+            length = await self.bus.length(stream)
+            for info in await self.bus.groups(stream):
                 name = as_str(info["name"])
                 if name == group:
                     out.append(StreamLag(keys.family(stream) + ":" + keys.suffix(stream), group, length,
                                          info.get("lag"), int(info["pending"])))
         step = self.tracker.trained + 1
-        out.append(StreamLag(f"batches:{step}", "trainer", int(await self.bus.redis.xlen(keys.batches(step))), None, 0))
+        out.append(StreamLag(f"batches:{step}", "trainer", await self.bus.length(keys.batches(step)), None, 0))
         return out
 
 

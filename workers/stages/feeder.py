@@ -122,7 +122,7 @@ class FeederWorker:
         self.bus: Bus | None = None
         self.cursors: list[EnvCursor] = []
         self._reconciled_at = 0.0
-        self._wake_ids: dict[str, bytes] | None = None
+        self._wake_ids: dict[str, str] | None = None
         """Last entry seen of each stream a release writes to (``metrics``, ``dead``): where the next wait blocks."""
         self.issued = 0
         self._stop = asyncio.Event()
@@ -214,27 +214,18 @@ class FeederWorker:
         last entry seen before reading the count misses none. The first call finds the streams' last entries."""
         keys = self.bus.keys
         if self._wake_ids is None:
-            pipe = self.bus.redis.pipeline(transaction=False)
-            for stream in (keys.metrics(), keys.dead()):
-                pipe.xrevrange(stream, count=1)
-            pipe.hget(keys.state(), INFLIGHT_FIELD)
-            last_metric, last_dead, inflight = await pipe.execute()
-            self._wake_ids = {keys.metrics(): last_metric[0][0] if last_metric else b"0-0",
-                              keys.dead(): last_dead[0][0] if last_dead else b"0-0"}
-        else:
-            inflight = await self.bus.redis.hget(keys.state(), INFLIGHT_FIELD)
+            self._wake_ids = {stream: await self.bus.last_id(stream) for stream in (keys.metrics(), keys.dead())}
+        inflight = await self.bus.redis.hget(keys.state(), INFLIGHT_FIELD)
         room = self.max_inflight - int(inflight or 0)
         if room >= group_size:
             return room
         while not self._stop.is_set():
-            woken = await self.bus.redis.xread(self._wake_ids, count=WAKE_READ_COUNT, block=self.config.redis.block_ms)
+            woken = await self.bus.read_headers(self._wake_ids, WAKE_READ_COUNT, self.config.redis.block_ms)
             if not woken:
                 break
-            releases = False
-            for stream, entries in woken:
-                self._wake_ids[as_str(stream)] = entries[-1][0]
-                releases |= any(fields.get(b"source") not in NEVER_RELEASE for _, fields in entries)
-            if releases:
+            for stream, entry_id, _ in woken:
+                self._wake_ids[stream] = entry_id
+            if any(fields.get(b"source") not in NEVER_RELEASE for _, _, fields in woken):
                 break
         return 0
 

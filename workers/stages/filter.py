@@ -19,12 +19,13 @@ import sys
 import time
 
 from bus.commit import NotOwned
+from bus.entries import Entry
 from bus.errors import CollapseError, ConfigError
 from bus.keys import GROUP_FILTER
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup
 from bus.state import INFLIGHT_FIELD, STOP_REASON_FIELD, STREAK_FIELD, release_inflight
-from bus.streams import Bus, Entry
+from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 from workers.stages.advantages import assign_advantages, zero_variance

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bus.commit import CommitConflict, NotOwned
+from bus.entries import Entry
 from bus.errors import ConfigError
 from bus.keys import GROUP_PACKER
 from bus.lease import Lease
@@ -54,7 +55,7 @@ from bus.state import (
     reconcile_inflight,
     release_inflight,
 )
-from bus.streams import Bus, Entry
+from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, run_worker
 from workers.stages.packing import pack_step

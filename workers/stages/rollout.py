@@ -23,13 +23,14 @@ import asyncio
 import time
 
 from bus.commit import NotOwned
+from bus.entries import Entry
 from bus.errors import ConfigError
 from bus.keys import GROUP_ROLLOUT
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Task
 from bus.policy import PolicyTracker
 from bus.state import release_inflight
-from bus.streams import Bus, Entry
+from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.env_config import EnvConfig, EvalEnvConfig, SamplingConfig
 from workers.envs.server import EnvHandle

@@ -118,19 +118,6 @@ def build_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0, replac
     return out
 
 
-def ensure_model(path: Path | str, preset: str | None, seed: int = 0) -> Path:
-    """``path`` if it holds a model; else build ``preset`` there (None: fail with the command to run)."""
-    out = Path(path)
-    if (out / "config.json").exists():
-        return out
-    if preset is None:
-        raise ConfigError(
-            f"model.path={str(out)!r} holds no model (no config.json); run "
-            f"`rlbus init-model --out {out}` or set model.init_preset"
-        )
-    return build_model(out, preset=preset, seed=seed)
-
-
 def main(config: RlbusConfig | None, argv: list[str]) -> int:
     """``rlbus init-model``: build the tokenizer and random-init model folder."""
     parser = argparse.ArgumentParser(prog="rlbus init-model", description=__doc__.splitlines()[0])

@@ -19,49 +19,11 @@ from bus.config import redact
 from bus.errors import ConfigError, DecodeError
 from bus.keys import Keys
 from bus.messages import MicroBatch, decode
+from bus.raw_entries import all_entries, newest_entries, stream_report
 from bus.resp import as_str
 from workers.config import RlbusConfig
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
-
-
-def _id_ms(entry_id: str) -> int:
-    return int(entry_id.split("-", 1)[0])
-
-
-def stream_report(client: redis.Redis, key: str, now_ms: int) -> dict[str, Any]:
-    """Length, first/last id and every consumer group (consumers, lag, pending, oldest pending age)."""
-    info = client.xinfo_stream(key)
-    report: dict[str, Any] = {
-        "key": key,
-        "length": info["length"],
-        "first_id": as_str(info["first-entry"][0]) if info.get("first-entry") else None,
-        "last_id": as_str(info["last-generated-id"]),
-        "groups": [],
-    }
-    for group in client.xinfo_groups(key):
-        name = as_str(group["name"])
-        consumers = [
-            {"name": as_str(c["name"]), "pending": c["pending"], "idle_ms": c["idle"]}
-            for c in client.xinfo_consumers(key, name)
-        ]
-        oldest_age_s = oldest_idle_ms = None
-        if group["pending"]:
-            first = client.xpending_range(key, name, min="-", max="+", count=1)[0]
-            oldest_age_s = round((now_ms - _id_ms(as_str(first["message_id"]))) / 1000, 3)
-            oldest_idle_ms = first["time_since_delivered"]
-        report["groups"].append(
-            {
-                "name": name,
-                "consumers": consumers,
-                "lag": group.get("lag"),
-                "pending": group["pending"],
-                "last_delivered_id": as_str(group["last-delivered-id"]),
-                "oldest_pending_age_s": oldest_age_s,
-                "oldest_pending_idle_ms": oldest_idle_ms,
-            }
-        )
-    return report
 
 
 def run_report(client: redis.Redis, keys: Keys) -> dict[str, Any]:
@@ -101,13 +63,13 @@ def tail(client: redis.Redis, keys: Keys, stream: str, count: int) -> dict[str, 
     if not client.exists(key):
         raise ConfigError(f"run {keys.run!r} has no stream {stream!r}; `rlbus inspect --run {keys.run}` lists them")
     entries = []
-    for raw_id, fields in reversed(client.xrevrange(key, count=count)):
+    for entry_id, fields in newest_entries(client, key, count):
         headers = {as_str(k): as_str(v) for k, v in fields.items() if k != b"data"}
         try:
             message: Any = summarize(decode(fields))
         except DecodeError as e:
             message = {"decode_error": str(e)}
-        entries.append({"id": as_str(raw_id), "headers": headers, "message": message})
+        entries.append({"id": entry_id, "headers": headers, "message": message})
     return {"run": keys.run, "stream": key, "entries": entries}
 
 
@@ -117,7 +79,7 @@ def audit(client: redis.Redis, keys: Keys) -> dict[str, Any]:
     micro_batches = steps = 0
     for key in client.scan_iter(match=f"{keys.prefix}batches:*", count=1000, _type="stream"):
         steps += 1
-        for _, fields in client.xrange(key):
+        for _, fields in all_entries(client, as_str(key)):
             try:
                 mb = decode(fields)
             except DecodeError:

@@ -19,6 +19,7 @@ from bus.clients import sync_client
 from bus.config import redact
 from bus.errors import ConfigError
 from bus.keys import Keys
+from bus.raw_entries import append_entries, entry_chunks
 from bus.resp import as_str
 from workers.config import RlbusConfig
 
@@ -39,18 +40,15 @@ def source_streams(client: redis.Redis, src: Keys, family: str, env: str | None)
 def copy_stream(client: redis.Redis, src: Keys, dst: Keys, stream: str, start: str, end: str) -> int:
     """Copy the entries of ``stream`` with ids in [start, end] to the same stream of ``dst``; returns the count."""
     target = dst.prefix + stream[len(src.prefix):]
-    copied, low = 0, start
-    while True:
-        rows = client.xrange(stream, min=low, max=end, count=CHUNK)
-        pipe = client.pipeline(transaction=False)
-        for raw_id, fields in rows:
-            header = {k: v for k, v in fields.items() if k != b"data"}
-            pipe.xadd(target, {**header, b"orig_run": src.run, b"orig_id": raw_id, b"data": fields[b"data"]})
-        pipe.execute()
+    copied = 0
+    for rows in entry_chunks(client, stream, start, end, CHUNK):
+        append_entries(client, target, [
+            {**{k: v for k, v in fields.items() if k != b"data"}, b"orig_run": src.run, b"orig_id": entry_id,
+             b"data": fields[b"data"]}
+            for entry_id, fields in rows
+        ])
         copied += len(rows)
-        if len(rows) < CHUNK:
-            return copied
-        low = "(" + as_str(rows[-1][0])
+    return copied
 
 
 def replay_archive(client: redis.Redis, archive: Path, to_run: str) -> dict[str, int]:
@@ -58,11 +56,8 @@ def replay_archive(client: redis.Redis, archive: Path, to_run: str) -> dict[str,
     dst = Keys(to_run)
     copied = {}
     for step, path in archived_steps(archive):
-        pipe = client.pipeline(transaction=False)
         entries = read_step(path)
-        for fields in entries:
-            pipe.xadd(dst.batches(step), {**fields, b"orig_archive": str(path)})
-        pipe.execute()
+        append_entries(client, dst.batches(step), [{**fields, b"orig_archive": str(path)} for fields in entries])
         copied[str(path)] = len(entries)
     return copied
 

@@ -11,9 +11,9 @@ import torch
 from bus.local_redis import free_port
 from bus.messages import WeightUpdate
 from bus.policy import PolicyTracker
+from tests.workers.inference.process import InferenceProcess
 from trainer.weights import describe_weights, weights_dir
 from workers.inference.client import InferenceClient
-from workers.inference.process import InferenceProcess
 from workers.tools.init_model import build_model
 
 SERVER_ID = "s1"

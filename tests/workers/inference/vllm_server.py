@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bus.local_redis import free_port
-from workers.inference.process import InferenceProcess
+from tests.workers.inference.process import InferenceProcess
 
 
 def run_name(prefix: str) -> str:

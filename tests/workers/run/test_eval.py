@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from bus.messages import RolloutGroup, Sample, Task
-from bus.policy import publish_trained
 from bus.state import EVAL_HOLD_FIELD
+from tests.policy import publish_trained
 from workers.config import RlbusConfig
 from workers.run.eval import EvalCoordinator, eval_steps_due, eval_values, k_values, next_eval_step, pass_at_k
 
@@ -69,12 +69,12 @@ def test_a_dead_lettered_eval_task_counts_as_done_and_a_stuck_eval_times_out(bus
             await coordinator.setup()
             assert await b.state_get(EVAL_HOLD_FIELD) == "0"
             await coordinator.issue_due()  # step 0: three tasks
-            tasks = [e.message for e in await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)]
+            entries = await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)
+            tasks = [e.message for e in entries]
             assert len(tasks) == 3
             await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[0], 1.0))
             await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[1], 0.0))
-            entry = (await b.redis.xrange(b.keys.tasks("rev_eval")))[2]
-            await b.dead_letter(b.keys.tasks("rev_eval"), entry[0].decode(), entry[1], reason="env broke")
+            await b.dead_letter(entries[2], reason="env broke")
             await coordinator.collect(block_ms=100)
             assert coordinator.complete(0)
             (_, metric), = [m for m in await b.read_fanout(b.keys.metrics()) if m[1].source == "eval"]
@@ -91,5 +91,34 @@ def test_a_dead_lettered_eval_task_counts_as_done_and_a_stuck_eval_times_out(bus
             metrics = [m.values for _, m in await b.read_fanout(b.keys.metrics()) if m.source == "eval" and m.step == 5]
             assert metrics[-1]["eval/rev_eval/groups_missing"] == 3 and metrics[-1]["eval/rev_eval/timed_out"] == 1
             assert await b.state_get(EVAL_HOLD_FIELD) == "10"
+
+    asyncio.run(main())
+
+
+def test_a_restarted_coordinator_replays_its_pending_eval_groups_and_acks_training_groups_unread(
+    bus, redis_url, run_name
+):
+    async def main():
+        async with bus("run") as b:
+            config = eval_config(redis_url, run_name, timeout_s=None)
+            first = EvalCoordinator(config, b, {"rev_eval": 50})
+            await first.setup()
+            await first.issue_due()
+            tasks = [e.message for e in await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)]
+            rollouts = b.keys.rollouts("rev_eval")
+            training = RolloutGroup(task_id="rev:0:0", env="rev_eval", example_id="0", samples=[])
+            await b.publish(rollouts, training)
+            await b.publish(rollouts, eval_group(tasks[0], 1.0))
+            await first.collect(block_ms=100)
+            assert (await b.redis.xpending(rollouts, "eval"))["pending"] == 1  # the training group: acked unread
+
+            second = EvalCoordinator(config, b, {"rev_eval": 50})  # the same consumer, restarted
+            await second.setup()
+            assert set(second.pending[("rev_eval", 0)].groups) == {tasks[0].task_id}
+            for task in tasks[1:]:
+                await b.publish(rollouts, eval_group(task, 0.0))
+            await second.collect(block_ms=100)
+            assert second.complete(0)
+            assert (await b.redis.xpending(rollouts, "eval"))["pending"] == 0
 
     asyncio.run(main())

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from bus.messages import PolicyVersion
-from bus.policy import PolicyTracker, publish_served, publish_trained
+from bus.policy import PolicyTracker, publish_served
+from tests.policy import publish_trained
 from workers.stages.gate import StalenessGate, admits
 
 

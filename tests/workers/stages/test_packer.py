@@ -13,9 +13,9 @@ import pytest
 
 from bus.keys import GROUP_PACKER
 from bus.messages import Metric
-from bus.policy import publish_trained
 from bus.state import LAST_STEP_FIELD
 from tests.paths import REPO
+from tests.policy import publish_trained
 from tests.workers.stages.helpers import ENV, config, group, micro_batches, pending, read_all
 from workers.stages.packer import PAUSE_ENV, PackerWorker
 

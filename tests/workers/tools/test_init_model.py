@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.errors import ConfigError
-from workers.tools.init_model import build_model, ensure_model, main
+from workers.tools.init_model import build_model, main
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -55,12 +54,9 @@ def test_byte_tokens_are_byte_values(tokenizer):
     assert tokenizer.encode("A\x00é", add_special_tokens=False) == [65, 0, 0xC3, 0xA9]
 
 
-def test_same_seed_same_weights_and_ensure_model_reuses(tmp_path, model_dir):
+def test_same_seed_same_weights(tmp_path, model_dir):
     again = build_model(tmp_path / "again", seed=0)
     assert (again / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
-    assert ensure_model(again, preset=None) == again
-    with pytest.raises(ConfigError, match="rlbus init-model --out"):
-        ensure_model(tmp_path / "missing", preset=None)
 
 
 def test_cli_entry_without_config(tmp_path, capsys):

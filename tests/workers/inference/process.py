@@ -1,4 +1,4 @@
-"""Start ``rlbus inference`` as a subprocess and wait until ``/health`` answers (tests, benchmarks, runs)."""
+"""Start ``rlbus inference`` as a subprocess and wait until ``/health`` answers (tests and benchmarks)."""
 
 import os
 import subprocess
