@@ -10,6 +10,7 @@ import pytest
 
 from bus.errors import ConfigError
 from tests.paths import REPO
+from workers.config import RlbusConfig
 from workers.tools.config_tool import render
 from workers.tools.migration import get
 from workers.tools.prime_rl_convert import Conversion, convert
@@ -64,8 +65,17 @@ def corpus_entry(entry: dict) -> tuple[dict, Conversion] | None:
     return source, convert(source)
 
 
+def with_runnable_envs(data: dict) -> dict:
+    """The converted config with each train env an rlbus one (its group size, ratio and sampling kept), no eval
+    envs: what the user's edit of the environments leaves."""
+    keep = ("group_size", "ratio", "sampling", "max_retries")
+    envs = [{"id": "reverse_text", "name": f"env{i}", **{k: v for k, v in env.items() if k in keep}}
+            for i, env in enumerate(data.get("env") or [{}])]
+    return {**data, "env": envs, "eval": {k: v for k, v in data.get("eval", {}).items() if k != "env"}}
+
+
 def test_every_orchestrator_config_in_prime_rls_history_converts_faithfully_or_names_every_loss():
-    bearing = faithful = 0
+    bearing = faithful = loads = 0
     for entry in MANIFEST:
         converted = corpus_entry(entry)
         if converted is None:
@@ -74,8 +84,10 @@ def test_every_orchestrator_config_in_prime_rls_history_converts_faithfully_or_n
         source, conversion = converted
         check_accounted(source, conversion)
         faithful += conversion.faithful
+        RlbusConfig.model_validate(with_runnable_envs(conversion.data))  # nothing but the envs stops it
+        loads += 1
     # The note of the corpus (docs/migrating.md): files, orchestrator-bearing ones, faithful conversions.
-    assert (len(MANIFEST), bearing, faithful) == (1465, 1174, 66)
+    assert (len(MANIFEST), bearing, faithful, loads) == (1465, 1174, 66, 1174)
 
 
 def test_a_file_that_holds_no_orchestrator_config_says_so():
