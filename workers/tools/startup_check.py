@@ -19,7 +19,7 @@ def startup_problems(data: dict) -> list[str]:
     try:
         config = RlbusConfig.model_validate(data)
     except ValidationError as e:
-        return [_validation_line(error) for error in e.errors()]
+        return _validation_lines(e.errors())
     except ValueError as e:
         return [str(e)]
     problems = [_problem(check_has_env, config)]
@@ -42,9 +42,15 @@ def _problem(check, config: RlbusConfig) -> str | None:
     return None
 
 
-def _validation_line(error: dict) -> str:
-    where = ".".join(str(part) for part in error["loc"] if not str(part).startswith("function-"))
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "extra_forbidden":
-        message = "not a field rlbus knows here (an env form or setting this rlbus does not have)"
-    return f"{where or 'the config'}: {message}"
+def _validation_lines(errors: list[dict]) -> list[str]:
+    """One line per env (``env.0: id: Field required; taskset: not a field …``) or other field."""
+    lines: dict[str, list[str]] = {}
+    for error in errors:
+        loc = [str(part) for part in error["loc"] if not str(part).startswith("function-")]
+        head = 2 if loc[:1] == ["env"] else 3 if loc[:2] == ["eval", "env"] else len(loc)
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "not a field this rlbus knows"
+        where, rest = ".".join(loc[:head]) or "the config", ".".join(loc[head:])
+        lines.setdefault(where, []).append(f"{rest}: {message}" if rest else message)
+    return [f"{where}: {'; '.join(messages)}" for where, messages in lines.items()]
