@@ -363,5 +363,11 @@ DEFAULTS: list[tuple[str, str, Any, str]] = [
      "prime-rl's default is no per-turn cap (until EOS or the context limit): written as seq_len; rlbus's is 128"),
     ("trainer.optim.lr", "trainer.lr", 1e-6, "prime-rl's default learning rate; rlbus's is 1e-4"),
     ("model.name", "model.path", "Qwen/Qwen3-0.6B", "prime-rl's default model; rlbus's is a random-init tiny one"),
+    ("wandb.project", "wandb.project", "prime-rl", "prime-rl's default W&B project (when W&B is on)"),
+    ("wandb.offline", "wandb.mode", "online", "prime-rl logs to W&B online by default; rlbus's default is offline "
+     "(when W&B is on)"),
+    (ORCH + "train.source[].ratio", "env[].ratio", 1.0, "prime-rl weighs each source 1.0 by default (equal per env); "
+     "rlbus's default samples uniformly over examples"),
 ]
-"""(prime-rl field, rlbus key, prime-rl's default, why it is written) for defaults that differ."""
+"""(prime-rl field, rlbus key, prime-rl's default, why it is written) for defaults that differ: written where the
+source leaves the field unset (a ``wandb.*`` one only when W&B is on; ``[]``: on each source)."""

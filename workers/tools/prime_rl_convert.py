@@ -142,24 +142,16 @@ def _put(out: Conversion, shown: str, key: str, value: Any, carried: Any = None)
 
 def _defaults(out: Conversion, source: dict) -> None:
     """prime-rl's default, written where the source leaves a field unset and rlbus's default differs."""
+    sources = source.get("orchestrator", {}).get("train", {}).get("source", [])
     for _, key, value, why in DEFAULTS:
-        if _written(out, key):
+        if key.startswith("wandb.") and "wandb" not in out.data:
             continue
         if key == "sampling.max_completion_tokens":
             value = out.data.get("packer", {}).get("seq_len", 2048)
-        _set_default(out, key, value, why)
-    if "wandb" in out.data:
-        if "project" not in out.data["wandb"]:
-            _set_default(out, "wandb.project", "prime-rl", "prime-rl's default W&B project")
-        if "mode" not in out.data["wandb"]:
-            _set_default(out, "wandb.mode", "online", "prime-rl logs to W&B online by default; rlbus's default is "
-                                                      "offline")
-    for array, i in sorted(verifiers_items(source)):
-        if array.endswith("source[]") and "ratio" not in source["orchestrator"][array.split(".")[1]]["source"][i]:
-            target = ENV_ARRAYS[array].replace("[]", f"[{i}]")
-            if target.startswith("env["):
-                _set_default(out, f"{target}.ratio", 1.0, "prime-rl weighs each source 1.0 by default (equal per "
-                                                         "env); rlbus's default samples uniformly over examples")
+        for i in range(len(sources)) if "[]" in key else [None]:
+            one = key if i is None else indexed(key, [i])
+            if not _written(out, one):
+                _set_default(out, one, value, why)
 
 
 def _written(out: Conversion, key: str) -> bool:
@@ -169,7 +161,11 @@ def _written(out: Conversion, key: str) -> bool:
 def _set_default(out: Conversion, key: str, value: Any, why: str) -> None:
     node = out.data
     *parents, last = dotted(key).split(".")
-    for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+    for part, after in zip(parents, [*parents, last][1:], strict=True):
+        if isinstance(node, list):
+            node += [{} for _ in range(int(part) + 1 - len(node))]
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, [] if after.isdigit() else {})
     node[last] = value
     out.defaults[key] = why
