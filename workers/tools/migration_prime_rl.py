@@ -7,6 +7,7 @@ Paths are those of a combined ``rl.toml`` (the shared top level, ``[orchestrator
 (``taskset``, ``agent`` …) carries over 1:1 under :data:`VERIFIERS_ENV`; one named by ``id`` under :data:`ENV`.
 """
 
+import json
 from typing import Any
 
 from workers.tools.migration import Lost, Target, lost, same
@@ -41,9 +42,40 @@ def _flag(name: str) -> Target:
                   value=lambda v: [name] if v is True else [name, str(v)] if v is not False else None, append=True)
 
 
+def _vllm_flags(table: dict) -> list[str]:
+    """prime-rl's ``[inference.vllm]`` (vLLM engine arguments, passed through) → vLLM's command-line flags."""
+    flags = []
+    for key, value in table.items():
+        flag = "--" + key.replace("_", "-")
+        if value is False or value is None:
+            raise Lost(f"inference.vllm.{key}={value!r}: give vLLM's own flag for it in inference.vllm_args")
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _placement(deployment: dict) -> None:
+    single = {"type": "single_node", "num_train_gpus": 1, "num_infer_gpus": 1}
+    if any(single.get(k, object()) != v for k, v in deployment.items() if k != "gpus_per_node"):
+        raise Lost("placement is the launcher's: rlbus run on one machine (one trainer and one inference GPU), "
+                   "compose or Kubernetes across many")
+
+
 def _adamw(kind: str) -> None:
     if kind != "adamw":
         raise Lost(f"optim.type={kind!r}: rlbus's optimiser is AdamW")
+
+
+def _renderer(name: str) -> None:
+    if name != "default":
+        raise Lost(f"renderer.name={name!r}: rlbus renders with the model's own chat template (prime-rl's "
+                   "\"default\" renderer), not a model-specific one")
 
 
 def _mode(algo: str) -> str:
@@ -195,6 +227,7 @@ _ORCHESTRATOR = {
     "weight_broadcast.timeout": Target("trainer.broadcast_timeout_s"),
     "weight_broadcast.inference_world_size": Target("trainer.inference_world_size"),
     "weight_broadcast.quantize_in_weight_transfer": lost("weights travel in the training dtype"),
+    "renderer.name": Target(None, "\"default\" (the chat template) is what rlbus does", value=_renderer),
 }
 
 _LEFT = {
@@ -265,7 +298,7 @@ _SHARED = {
     "trainer": same("rlbus run starts the trainer itself"),
     "clean": lost("rlbus run starts fresh unless a checkpoint is there; delete run.output_dir to clean"),
     "clean_output_dir": lost("rlbus run starts fresh unless a checkpoint is there; delete run.output_dir to clean"),
-    "deployment": lost("placement is the launcher's: rlbus run on one machine, compose or Kubernetes across many"),
+    "deployment": Target(None, "one trainer GPU and one inference GPU is what rlbus run starts", value=_placement),
     "slurm": lost("no Slurm launcher: rlbus run on one machine; the workers run under any scheduler"),
     "inference_gpu_ids": lost("GPUs are given per process (CUDA_VISIBLE_DEVICES) by the launcher"),
     "trainer_gpu_ids": lost("GPUs are given per process (CUDA_VISIBLE_DEVICES) by the launcher"),
@@ -311,6 +344,8 @@ _TRAINER = {
     "ckpt.resume_step": Target("ckpt.resume_step"), "ckpt.keep_interval": Target("ckpt.keep_interval"),
     "ckpt.skip_optimizer": lost("every rlbus checkpoint holds the optimiser state"),
     "ckpt.weights": lost("published weights are trainer.weight_transport's; adapters alone with model.lora"),
+    "ckpt.weights.save_adapter_separately": same("with model.lora rlbus saves the adapter alone (`rlbus export` "
+                                                 "merges it)"),
     "ckpt.skip_gather_master_weights": lost("no FSDP master weights in rlbus's trainer"),
     "dist_timeout_seconds": lost("no torch.distributed timeout setting"),
     "enable_router_replay": lost("no MoE router replay in rlbus's trainer"),
@@ -338,7 +373,9 @@ PRIME_RL: dict[str, Target] = {
     "inference.model.enable_auto_tool_choice": _flag("--enable-auto-tool-choice"),
     "inference.model.dtype": _flag("--dtype"),
     "inference.parallel": lost("vLLM parallelism: pass its flags in inference.vllm_args"),
-    "inference.vllm": lost("vLLM engine knobs: pass them as flags in inference.vllm_args"),
+    "inference.vllm": Target("inference.vllm_args", "prime-rl passes these to vLLM verbatim: each becomes its flag; "
+                             "vllm_args apply with inference.backend = \"vllm\"", value=_vllm_flags, whole=True,
+                             append=True),
     "inference.model": lost("vLLM model knobs: pass them as flags in inference.vllm_args"),
     "inference.enable_lora": same("rlbus's servers load the adapter when model.lora is set"),
     "inference.env_vars": lost("set the environment of each worker process instead"),
