@@ -15,6 +15,11 @@ from workers.tools.migration import Lost, Target, lost, same
 ORCH = "orchestrator."
 
 
+FINAL_CHECKPOINT = ("an empty [ckpt] checkpoints at the end; rlbus checkpoints every ckpt.interval steps only, so "
+                    "it is written as ckpt.interval = max_steps")
+"""What an empty ``[ckpt]`` becomes (:func:`workers.tools.prime_rl_convert.convert` writes it)."""
+
+
 def _transport(kind: str) -> str:
     if kind not in ("filesystem", "nccl"):
         raise Lost(f"weight_broadcast.type={kind!r}: rlbus publishes weights as safetensors files or over NCCL")
@@ -217,7 +222,7 @@ _ORCHESTRATOR = {
     "ckpt.wait_for_weights_timeout": Target("ckpt.wait_for_weights_timeout"),
     "ckpt.keep_last": Target("ckpt.keep_last"), "ckpt.keep_interval": Target("ckpt.keep_interval"),
     "ckpt.skip_progress": Target("ckpt.skip_progress"),
-    "ckpt": same("checkpoints are taken at ckpt.interval and at the end, as prime-rl's"),
+    "ckpt": same(FINAL_CHECKPOINT),
     "log.level": Target("log.level"),
     "wandb.project": Target("wandb.project"), "wandb.name": Target("wandb.name"),
     "monitor.wandb.project": Target("wandb.project"), "monitor.wandb.name": Target("wandb.name"),
@@ -283,7 +288,7 @@ _SHARED = {
     "monitor.wandb.project": Target("wandb.project"),
     "ckpt.interval": Target("ckpt.interval"), "ckpt.keep_last": Target("ckpt.keep_last"),
     "ckpt.keep_interval": Target("ckpt.keep_interval"), "ckpt.resume_step": Target("ckpt.resume_step"),
-    "ckpt": same("checkpoints are taken at ckpt.interval and at the end, as prime-rl's"),
+    "ckpt": same(FINAL_CHECKPOINT),
     "resume.step": Target("ckpt.resume_step"),
     "optim.lr": Target("trainer.lr"),
     "max_async_level": Target("packer.max_off_policy_steps", "prime-rl's 2025 name of max_off_policy_steps"),
@@ -340,7 +345,7 @@ _TRAINER = {
        for k in ("project", "name")},
     "wandb.log_extras": lost("samples and distributions are not logged to W&B; see metrics.jsonl"),
     "monitor.wandb.log_extras": lost("samples and distributions are not logged to W&B; see metrics.jsonl"),
-    "ckpt": same("checkpoints are taken at ckpt.interval and at the end, as prime-rl's"),
+    "ckpt": same(FINAL_CHECKPOINT),
     "ckpt.resume_step": Target("ckpt.resume_step"), "ckpt.keep_interval": Target("ckpt.keep_interval"),
     "ckpt.skip_optimizer": lost("every rlbus checkpoint holds the optimiser state"),
     "ckpt.weights": lost("published weights are trainer.weight_transport's; adapters alone with model.lora"),

@@ -73,8 +73,24 @@ def convert(source: dict) -> Conversion:
 
     for path, indices, value in flatten(source, stop):
         _carry(out, path, indices, value, lookup(path, table(path, indices)))
+    _final_checkpoint(out)
     _defaults(out, source)
     return out
+
+
+def _final_checkpoint(out: Conversion) -> None:
+    """An empty ``[ckpt]`` (a checkpoint at the end) as ``ckpt.interval = max_steps``; left behind without
+    ``max_steps``, or beside an interval of the user's own."""
+    empty = [c for c in out.carried if c.key is None and c.source.rpartition(".")[2] == "ckpt" and c.value == {}]
+    steps, interval = _get(out.data, "run.max_steps"), _get(out.data, "ckpt.interval")
+    for carried in empty:
+        out.carried.remove(carried)
+        if interval is None and steps is not None:
+            out.data.setdefault("ckpt", {})["interval"] = steps
+            out.carried.append(Carried(carried.source, "ckpt.interval", steps))
+        else:
+            out.left.append((carried.source, "its checkpoint at the end: rlbus checkpoints every ckpt.interval steps "
+                             "only" + ("" if steps is not None else ", and the run has no max_steps to set it to")))
 
 
 def _carry(out: Conversion, path: str, indices: list[int], value: Any, target: Target | None) -> None:

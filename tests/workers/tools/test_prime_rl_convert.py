@@ -162,3 +162,11 @@ def test_two_values_for_one_rlbus_key_keep_the_first_and_name_the_second():
     conversion = convert({"max_steps": 10, "orchestrator": {"max_steps": 20}})
     assert conversion.data["run"]["max_steps"] == 10
     assert conversion.left == [("orchestrator.max_steps", "run.max_steps is already 10 from max_steps")]
+
+
+def test_an_empty_ckpt_table_is_a_checkpoint_at_the_end():
+    conversion = convert({"max_steps": 20, "ckpt": {}, "orchestrator": {"ckpt": {}}})
+    assert conversion.data["ckpt"] == {"interval": 20} and conversion.faithful
+    conversion = convert({"ckpt": {}})
+    assert conversion.left == [("ckpt", "its checkpoint at the end: rlbus checkpoints every ckpt.interval steps only, "
+                                        "and the run has no max_steps to set it to")]
