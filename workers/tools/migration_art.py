@@ -36,7 +36,8 @@ ART: dict[str, Target] = {
     "loss_fn_config": Target("trainer.loss", "the chosen loss's knobs"),
     "normalize_advantages": Target("filter.advantage.std_normalize", "off by default in rlbus (Dr. GRPO); ART's "
                                    "default is on"),
-    "grad_accumulation_sequences": same("rlbus accumulates every micro-batch of a step into one optimiser step"),
+    "grad_accumulation_sequences": lost("rlbus takes one optimiser step per batch, accumulating all its "
+                                        "micro-batches"),
     "adam_params": Target("trainer.betas", "with trainer.weight_decay"),
     "kl_penalty_coef": Target("trainer.kl_penalty_coef"),
     "kl_penalty_step_lag": lost("the KL reference is fixed: the initial weights or one step's "

@@ -200,9 +200,11 @@ _ORCHESTRATOR = {
     "algo.sampling.source.base_url": Target("teacher.base_urls", value=_as_list),
     "algo.type": Target("training_mode", "grpo → rl; opd; sft", value=_mode),
     "train.max_retries": Target("max_retries"),
-    "train.filter_zero_advantages": Target("filter.pre_batch_filters", "the zero_advantage filter, enforced",
-                                           value=lambda on: [{"type": "zero_advantage", "enforce": True}] if on
-                                           else None),
+    "train.filter_zero_advantages": Target("packer.post_batch_filters", "true: rlbus's default post-batch "
+                                           "zero_advantage filter drops them; false: that filter only counts",
+                                           value=lambda on: None if on else [
+                                               {"type": "gibberish"}, {"type": "repetition"},
+                                               {"type": "zero_advantage", "enforce": False}]),
     "environment.id": Target("env[0].id", "prime-rl's 2025 single [environment]; a verifiers v0 id does not run "
                              "until it is replaced"),
     "environment.args": Target("env[0].args", whole=True),
