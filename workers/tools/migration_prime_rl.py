@@ -109,15 +109,18 @@ ENV: dict[str, Target] = {
     "extra_env_kwargs": Target("env[].args", "passed to the env factory with its args", whole=True),
     "timeout": Target("env[].rollout_timeout_s", "a number: the rollout timeout in seconds"),
     "timeout.rollout": Target("env[].rollout_timeout_s"),
-    "timeout.scoring": lost("scoring runs inside the rollout; env[].rollout_timeout_s bounds both"),
+    "timeout.scoring": lost("no separate scoring timeout (env[].rollout_timeout_s bounds a rollout)"),
     "max_output_tokens": Target("env[].max_total_completion_tokens"),
     "group_size": Target("env[].group_size"), "rollouts_per_example": Target("env[].group_size"),
     "num_workers": lost("rlbus runs one env server per rollout worker: set rollout.workers"),
     "pool": lost("rlbus runs one env server per rollout worker: set rollout.workers"),
     "algo": lost("per-env algorithms are not in rlbus: an env's mode (rl, opd, sft) and advantage settings are "
                  "env[].mode and env[].advantage"),
-    "curriculum": lost("no curriculum samplers or admission gates; zero-advantage groups are filtered by "
-                       "filter.pre_batch_filters"),
+    "curriculum": lost("no curriculum samplers or admission gates (zero-advantage samples are dropped by the "
+                       "post-batch zero_advantage filter)"),
+    "algo.type": Target("env[].mode", "grpo → rl; opd; sft", value=_mode),
+    "algo.teacher.name": Target("teacher.path", "rlbus has one [teacher] for every opd and sft env"),
+    "algo.teacher.base_url": Target("teacher.base_urls", value=_as_list),
 }
 """An env block named by ``id`` (prime-rl's ``[[orchestrator.train.env]]`` up to 2026)."""
 
