@@ -15,6 +15,7 @@ workers run elsewhere (docker compose); it needs ``redis.url``.
 """
 
 import asyncio
+import netrc
 import os
 import shutil
 import signal
@@ -215,6 +216,7 @@ class RunSession:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._signal)
         check_has_env(self.config)
+        check_wandb(self.config)
         self.eval_sizes = await asyncio.to_thread(check_envs, self.config)
         check_models(self.config)
         self.prepare_output()
@@ -424,6 +426,20 @@ def check_models(config: RlbusConfig) -> None:
         raise ConfigError(f"teacher.path={teacher!r} does not exist; put a teacher there (a trained run's weights "
                           f"folder, or `rlbus init-model --out {teacher}` for a random one to try the pipeline) or "
                           "list running teacher servers in teacher.base_urls")
+
+
+def check_wandb(config: RlbusConfig) -> None:
+    """W&B online has an API key to log in with (``WANDB_API_KEY`` or ``wandb login``'s netrc entry); without one
+    ``wandb.init`` stops the run after every worker has started."""
+    if config.wandb is None or config.wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        logged_in = False
+    if not logged_in:
+        raise ConfigError("wandb.mode = \"online\" needs a W&B API key and none is configured; set WANDB_API_KEY, "
+                          "run `wandb login`, or set wandb.mode = \"offline\"")
 
 
 def check_has_env(config: RlbusConfig) -> None:

@@ -1,17 +1,17 @@
 """What would stop ``rlbus run`` at start, without starting anything: a config (as a dict) → one line per problem.
 
-The same checks ``rlbus run`` makes before it starts a process (``check_has_env``, ``check_envs`` and
-``check_models`` of :mod:`workers.run.session`), after the config model's own validation; each env is checked on
-its own, so every env that would not load is named, not only the first. Whether an env runs is the env
-registry's and the config model's to say (an env form this checkout does not know fails validation, and is
-reported as such).
+The same checks ``rlbus run`` makes before it starts a process (``check_has_env``, ``check_envs``,
+``check_models`` and ``check_wandb`` of :mod:`workers.run.session`), after the config model's own validation;
+each env is checked on its own, so every env that would not load is named, not only the first. Whether an env
+runs is the env registry's and the config model's to say (an env form this checkout does not know fails
+validation, and is reported as such).
 """
 
 from pydantic import ValidationError
 
 from bus.errors import ConfigError
 from workers.config import RlbusConfig
-from workers.run.session import check_envs, check_has_env, check_models
+from workers.run.session import check_envs, check_has_env, check_models, check_wandb
 
 
 def startup_problems(data: dict) -> list[str]:
@@ -30,7 +30,7 @@ def startup_problems(data: dict) -> list[str]:
                 "eval": config.eval.model_copy(update={"env": [env] if section == "eval.env" else []})})
             problem = _problem(check_envs, alone)
             problems.append(problem and problem.replace(f"{section}.0 ", f"{section}.{i} ", 1))
-    problems.append(_problem(check_models, config))
+    problems += [_problem(check_models, config), _problem(check_wandb, config)]
     return [p for p in problems if p]
 
 

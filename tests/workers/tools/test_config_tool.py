@@ -1,11 +1,9 @@
 """``rlbus config``: the generated reference page is complete and current; ``convert`` writes a prime-rl config
 as rlbus's, says what it left, runs ``rlbus run``'s start-up checks, and turns path mistakes into one line."""
 
-import os
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 from tests.paths import REPO
 from tests.workers.tools.test_prime_rl_convert import CORPUS, MANIFEST
@@ -131,7 +129,7 @@ def test_a_combined_config_converts_and_convert_says_what_would_stop_the_run(tmp
     assert config.env[1].sampling.temperature == 0.8 and config.eval.env[0].num_examples == 32
 
 
-def test_a_converted_current_reverse_text_config_starts_with_only_its_env_edited(tmp_path):
+def test_a_converted_current_reverse_text_config_starts_with_only_its_env_edited(tmp_path, monkeypatch):
     entry = max((e for e in MANIFEST if e["source"] == "examples/basic/reverse-text/rl.toml"), key=lambda e: e["date"])
     out = tmp_path / "rlbus.toml"
     done = rlbus_convert(CORPUS / entry["file"], "--out", out, cwd=tmp_path)
@@ -140,12 +138,14 @@ def test_a_converted_current_reverse_text_config_starts_with_only_its_env_edited
     data = tomllib.loads(out.read_text())
     build_model(tmp_path / data["model"]["path"], preset="tiny")  # the hub id's name, as a local folder
     data["env"] = [{"id": "reverse_text"}]
-    cwd = Path.cwd()
-    try:
-        os.chdir(tmp_path)
-        assert startup_problems(data) == []
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no netrc: no W&B login
+    assert startup_problems(data) == [  # prime-rl logs to W&B online: a login is what remains
+        'wandb.mode = "online" needs a W&B API key and none is configured; set WANDB_API_KEY, run `wandb login`, '
+        'or set wandb.mode = "offline"']
+    monkeypatch.setenv("WANDB_API_KEY", "a-key")
+    assert startup_problems(data) == []
 
 
 def test_a_file_that_is_not_an_orchestrator_config_says_so(tmp_path):
