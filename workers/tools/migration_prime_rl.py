@@ -7,10 +7,21 @@ Paths are those of a combined ``rl.toml`` (the shared top level, ``[orchestrator
 (``taskset``, ``agent`` …) carries over 1:1 under :data:`VERIFIERS_ENV`; one named by ``id`` under :data:`ENV`.
 """
 
-import json
 from typing import Any
 
-from workers.tools.migration import Lost, Target, lost, same
+from workers.tools.migration import Target, lost, same
+from workers.tools.prime_rl_values import (
+    adamw,
+    as_list,
+    flag,
+    mode,
+    placement,
+    renderer,
+    transport,
+    truncated,
+    vllm_flags,
+    wandb_mode,
+)
 
 ORCH = "orchestrator."
 
@@ -18,75 +29,6 @@ ORCH = "orchestrator."
 FINAL_CHECKPOINT = ("an empty [ckpt] checkpoints at the end; rlbus checkpoints every ckpt.interval steps only, so "
                     "it is written as ckpt.interval = max_steps")
 """What an empty ``[ckpt]`` becomes (:func:`workers.tools.prime_rl_convert.convert` writes it)."""
-
-
-def _transport(kind: str) -> str:
-    if kind not in ("filesystem", "nccl"):
-        raise Lost(f"weight_broadcast.type={kind!r}: rlbus publishes weights as safetensors files or over NCCL")
-    return "safetensors" if kind == "filesystem" else "nccl"
-
-
-def _as_list(value: Any) -> list:
-    return value if isinstance(value, list) else [value]
-
-
-def _wandb_mode(offline: bool) -> str:
-    return "offline" if offline else "online"
-
-
-def _truncated(mask: bool) -> list | None:
-    """``mask_truncated_completions = true`` adds rlbus's truncated filter to its default post-batch filters."""
-    if not mask:
-        return None
-    return [{"type": "gibberish"}, {"type": "repetition"}, {"type": "zero_advantage"}, {"type": "truncated"}]
-
-
-def _flag(name: str) -> Target:
-    """A vLLM engine setting → its command-line flag in ``inference.vllm_args``."""
-    return Target("inference.vllm_args", f"{name}; vllm_args apply with inference.backend = \"vllm\"",
-                  value=lambda v: [name] if v is True else [name, str(v)] if v is not False else None, append=True)
-
-
-def _vllm_flags(table: dict) -> list[str]:
-    """prime-rl's ``[inference.vllm]`` (vLLM engine arguments, passed through) → vLLM's command-line flags."""
-    flags = []
-    for key, value in table.items():
-        flag = "--" + key.replace("_", "-")
-        if value is False or value is None:
-            raise Lost(f"inference.vllm.{key}={value!r}: give vLLM's own flag for it in inference.vllm_args")
-        if value is True:
-            flags.append(flag)
-        elif isinstance(value, dict):
-            flags += [flag, json.dumps(value)]
-        elif isinstance(value, list):
-            flags += [flag, *map(str, value)]
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
-def _placement(deployment: dict) -> None:
-    single = {"type": "single_node", "num_train_gpus": 1, "num_infer_gpus": 1}
-    if any(single.get(k, object()) != v for k, v in deployment.items() if k != "gpus_per_node"):
-        raise Lost("placement is the launcher's: rlbus run on one machine (one trainer and one inference GPU), "
-                   "compose or Kubernetes across many")
-
-
-def _adamw(kind: str) -> None:
-    if kind != "adamw":
-        raise Lost(f"optim.type={kind!r}: rlbus's optimiser is AdamW")
-
-
-def _renderer(name: str) -> None:
-    if name != "default":
-        raise Lost(f"renderer.name={name!r}: rlbus renders with the model's own chat template (prime-rl's "
-                   "\"default\" renderer), not a model-specific one")
-
-
-def _mode(algo: str) -> str:
-    if algo not in ("grpo", "opd", "sft"):
-        raise Lost(f"algo.type={algo!r}: rlbus's modes are rl (GRPO-style), opd and sft")
-    return {"grpo": "rl"}.get(algo, algo)
 
 
 def _sampling(prefix: str, target: str, evals: bool = False) -> dict[str, Target]:
@@ -118,9 +60,9 @@ ENV: dict[str, Target] = {
                  "env[].mode and env[].advantage"),
     "curriculum": lost("no curriculum samplers or admission gates (zero-advantage samples are dropped by the "
                        "post-batch zero_advantage filter)"),
-    "algo.type": Target("env[].mode", "grpo → rl; opd; sft", value=_mode),
+    "algo.type": Target("env[].mode", "grpo → rl; opd; sft", value=mode),
     "algo.teacher.name": Target("teacher.path", "rlbus has one [teacher] for every opd and sft env"),
-    "algo.teacher.base_url": Target("teacher.base_urls", value=_as_list),
+    "algo.teacher.base_url": Target("teacher.base_urls", value=as_list),
 }
 """An env block named by ``id`` (prime-rl's ``[[orchestrator.train.env]]`` up to 2026)."""
 
@@ -178,7 +120,7 @@ _ORCHESTRATOR = {
     "async_level": Target("packer.max_off_policy_steps", "prime-rl's 2025 name of max_off_policy_steps"),
     "max_async_level": Target("packer.max_off_policy_steps", "prime-rl's 2025 name of max_off_policy_steps"),
     "mask_truncated_completions": Target("packer.post_batch_filters", "true adds the truncated filter to rlbus's "
-                                         "default post-batch filters; false is rlbus's default", value=_truncated),
+                                         "default post-batch filters; false is rlbus's default", value=truncated),
     "zero_truncated_completions": lost("truncated samples are dropped (the truncated filter), not given reward 0"),
     "tasks_per_minute": Target("rollout.tasks_per_minute"), "bench": Target("bench"),
     "training_mode": Target("training_mode"),
@@ -187,7 +129,7 @@ _ORCHESTRATOR = {
     "model.name": Target("model.path", "a local folder or a hub id, as transformers reads it"),
     "student.name": Target("model.path", "[student] is [model] in rlbus"),
     "student.model.name": Target("model.path", "[student] is [model] in rlbus"),
-    "model.client.base_url": Target("inference.base_urls", value=_as_list),
+    "model.client.base_url": Target("inference.base_urls", value=as_list),
     "model.client.api_key_var": Target("inference.api_key_var"),
     "model.client.headers_from_env": Target("inference.headers_from_env", whole=True),
     "model.client.timeout": Target("inference.request_timeout_s"),
@@ -195,13 +137,13 @@ _ORCHESTRATOR = {
     "model.lora.alpha": Target("model.lora.alpha"),
     "lora_name": Target("model.lora.name"),
     "teacher.model.name": Target("teacher.path"),
-    "teacher.client.base_url": Target("teacher.base_urls", value=_as_list),
+    "teacher.client.base_url": Target("teacher.base_urls", value=as_list),
     "teacher.client.api_key_var": Target("teacher.api_key_var"),
     "teacher.client.headers_from_env": Target("teacher.headers_from_env", whole=True),
-    "algo.teacher.name": Target("teacher.path"), "algo.teacher.base_url": Target("teacher.base_urls", value=_as_list),
+    "algo.teacher.name": Target("teacher.path"), "algo.teacher.base_url": Target("teacher.base_urls", value=as_list),
     "algo.sampling.source.name": Target("teacher.path", "the model sft samples come from"),
-    "algo.sampling.source.base_url": Target("teacher.base_urls", value=_as_list),
-    "algo.type": Target("training_mode", "grpo → rl; opd; sft", value=_mode),
+    "algo.sampling.source.base_url": Target("teacher.base_urls", value=as_list),
+    "algo.type": Target("training_mode", "grpo → rl; opd; sft", value=mode),
     "train.max_retries": Target("max_retries"),
     "train.filter_zero_advantages": Target("packer.post_batch_filters", "true: rlbus's default post-batch "
                                            "zero_advantage filter drops them; false: that filter only counts",
@@ -232,12 +174,12 @@ _ORCHESTRATOR = {
     "wandb.project": Target("wandb.project"), "wandb.name": Target("wandb.name"),
     "monitor.wandb.project": Target("wandb.project"), "monitor.wandb.name": Target("wandb.name"),
     "monitors.wandb.project": Target("wandb.project"), "monitors.wandb.name": Target("wandb.name"),
-    "weight_broadcast.type": Target("trainer.weight_transport", "filesystem → safetensors", value=_transport),
+    "weight_broadcast.type": Target("trainer.weight_transport", "filesystem → safetensors", value=transport),
     "weight_broadcast.host": Target("trainer.nccl_host"), "weight_broadcast.port": Target("trainer.nccl_port"),
     "weight_broadcast.timeout": Target("trainer.broadcast_timeout_s"),
     "weight_broadcast.inference_world_size": Target("trainer.inference_world_size"),
     "weight_broadcast.quantize_in_weight_transfer": lost("weights travel in the training dtype"),
-    "renderer.name": Target(None, "\"default\" (the chat template) is what rlbus does", value=_renderer),
+    "renderer.name": Target(None, "\"default\" (the chat template) is what rlbus does", value=renderer),
 }
 
 _LEFT = {
@@ -287,9 +229,9 @@ _SHARED = {
     "output_dir": Target("run.output_dir"), "run.name": Target("run.name"),
     "model.name": Target("model.path", "a local folder or a hub id, as transformers reads it"),
     "wandb.project": Target("wandb.project"), "wandb.name": Target("wandb.name"),
-    "wandb.offline": Target("wandb.mode", value=_wandb_mode),
+    "wandb.offline": Target("wandb.mode", value=wandb_mode),
     "monitors.wandb.project": Target("wandb.project"), "monitors.wandb.name": Target("wandb.name"),
-    "monitors.wandb.offline": Target("wandb.mode", value=_wandb_mode),
+    "monitors.wandb.offline": Target("wandb.mode", value=wandb_mode),
     "monitor.wandb.project": Target("wandb.project"),
     "ckpt.interval": Target("ckpt.interval"), "ckpt.keep_last": Target("ckpt.keep_last"),
     "ckpt.keep_interval": Target("ckpt.keep_interval"), "ckpt.resume_step": Target("ckpt.resume_step"),
@@ -300,7 +242,7 @@ _SHARED = {
     "infer": lost("vLLM knobs: pass them as flags in inference.vllm_args"),
     "resume": same("rlbus run resumes from the newest checkpoint by default"),
     "log.level": Target("log.level"),
-    "weight_broadcast.type": Target("trainer.weight_transport", "filesystem → safetensors", value=_transport),
+    "weight_broadcast.type": Target("trainer.weight_transport", "filesystem → safetensors", value=transport),
     "weight_broadcast.port": Target("trainer.nccl_port"),
     "weight_broadcast.timeout": Target("trainer.broadcast_timeout_s"),
     "weight_broadcast.quantize_in_weight_transfer": lost("weights travel in the training dtype"),
@@ -308,7 +250,7 @@ _SHARED = {
     "trainer": same("rlbus run starts the trainer itself"),
     "clean": lost("rlbus run starts fresh unless a checkpoint is there; delete run.output_dir to clean"),
     "clean_output_dir": lost("rlbus run starts fresh unless a checkpoint is there; delete run.output_dir to clean"),
-    "deployment": Target(None, "one trainer GPU and one inference GPU is what rlbus run starts", value=_placement),
+    "deployment": Target(None, "one trainer GPU and one inference GPU is what rlbus run starts", value=placement),
     "slurm": lost("no Slurm launcher: rlbus run on one machine; the workers run under any scheduler"),
     "inference_gpu_ids": lost("GPUs are given per process (CUDA_VISIBLE_DEVICES) by the launcher"),
     "trainer_gpu_ids": lost("GPUs are given per process (CUDA_VISIBLE_DEVICES) by the launcher"),
@@ -335,8 +277,8 @@ _TRAINER = {
     "model.lora.target_modules": Target("model.lora.target_modules"),
     "model.name": Target("model.path"), "max_steps": Target("run.max_steps"),
     "ckpt.interval": Target("ckpt.interval"), "ckpt.keep_last": Target("ckpt.keep_last"),
-    "weight_broadcast.type": Target("trainer.weight_transport", "filesystem → safetensors", value=_transport),
-    "optim.type": Target(None, "AdamW is rlbus's optimiser", value=_adamw),
+    "weight_broadcast.type": Target("trainer.weight_transport", "filesystem → safetensors", value=transport),
+    "optim.type": Target(None, "AdamW is rlbus's optimiser", value=adamw),
     "model.compile": Target("trainer.compile", "an empty [trainer.model.compile] turns torch.compile on",
                             value=lambda v: True if v == {} else v),
     "loss": lost("rlbus's losses are trainer.loss (dppo, cispo, ppo, custom) with their own knobs"),
@@ -375,16 +317,16 @@ PRIME_RL: dict[str, Target] = {
     "inference.model.name": Target("model.path"),
     "inference.server.port": Target("inference.port"), "inference.server.host": Target("inference.host"),
     "inference.model.max_model_len": Target("inference.max_model_len"),
-    "inference.parallel.tp": _flag("--tensor-parallel-size"),
-    "inference.parallel.dp": _flag("--data-parallel-size"),
-    "inference.gpu_memory_utilization": _flag("--gpu-memory-utilization"),
-    "inference.model.enforce_eager": _flag("--enforce-eager"),
-    "inference.model.tool_call_parser": _flag("--tool-call-parser"),
-    "inference.model.enable_auto_tool_choice": _flag("--enable-auto-tool-choice"),
-    "inference.model.dtype": _flag("--dtype"),
+    "inference.parallel.tp": flag("--tensor-parallel-size"),
+    "inference.parallel.dp": flag("--data-parallel-size"),
+    "inference.gpu_memory_utilization": flag("--gpu-memory-utilization"),
+    "inference.model.enforce_eager": flag("--enforce-eager"),
+    "inference.model.tool_call_parser": flag("--tool-call-parser"),
+    "inference.model.enable_auto_tool_choice": flag("--enable-auto-tool-choice"),
+    "inference.model.dtype": flag("--dtype"),
     "inference.parallel": lost("vLLM parallelism: pass its flags in inference.vllm_args"),
     "inference.vllm": Target("inference.vllm_args", "prime-rl passes these to vLLM verbatim: each becomes its flag; "
-                             "vllm_args apply with inference.backend = \"vllm\"", value=_vllm_flags, whole=True,
+                             "vllm_args apply with inference.backend = \"vllm\"", value=vllm_flags, whole=True,
                              append=True),
     "inference.model": lost("vLLM model knobs: pass them as flags in inference.vllm_args"),
     "inference.enable_lora": same("rlbus's servers load the adapter when model.lora is set"),
