@@ -70,7 +70,9 @@ class LoraConfig(Section):
 
 class ModelConfig(Section):
     path: str = "outputs/models/tiny"
-    """Local Hugging Face folder (or hub name where a hub is reachable). ``rlbus run`` creates the tiny preset here if missing."""
+    """Local Hugging Face folder, or a hub id (``Qwen/Qwen3-0.6B``) read as transformers reads it: ``rlbus run``
+    fetches it into the hub cache once (offline, it must be cached). A missing local folder gets the
+    ``init_preset`` model."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype: auto = float32 on CPU, bfloat16 on GPU."""

@@ -15,6 +15,7 @@ workers run elsewhere (docker compose); it needs ``redis.url``.
 """
 
 import asyncio
+import netrc
 import os
 import shutil
 import signal
@@ -40,6 +41,7 @@ from workers.envs.registry import load_env
 from workers.lifecycle import cancel_and_wait
 from workers.run.accounting import group_counts
 from workers.run.eval import EvalCoordinator
+from workers.run.hub import fetch_hub_model, is_hub_id
 from workers.run.metrics import MetricsWriter
 from workers.run.report import bench_numbers, build_summary, summary_text, write_report, write_summary
 from workers.run.resolved import child_password, dump_toml, needs_teacher_server, resolve, torch_threads
@@ -145,7 +147,7 @@ class RunSession:
 
     def init_model(self) -> None:
         path = Path(self.config.model.path)
-        if path.exists() or self.config.model.init_preset is None:
+        if path.exists() or self.config.model.init_preset is None or is_hub_id(str(path)):
             return
         argv = [sys.executable, "-m", "workers.cli", "init-model", "--out", str(path),
                 "--preset", self.config.model.init_preset, "--seed", str(self.config.run.seed)]
@@ -213,6 +215,8 @@ class RunSession:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._signal)
+        check_has_env(self.config)
+        check_wandb(self.config)
         self.eval_sizes = await asyncio.to_thread(check_envs, self.config)
         check_models(self.config)
         self.prepare_output()
@@ -411,12 +415,37 @@ def missing_local_folder(path: str) -> bool:
 
 
 def check_models(config: RlbusConfig) -> None:
-    """The teacher's folder exists before anything starts (the policy's is built from model.init_preset)."""
+    """The teacher's folder exists before anything starts (the policy's is built from model.init_preset); a hub id
+    (the policy's or the teacher's) is in the hub cache, fetched once here if it is not."""
     teacher = config.teacher.path if config.teacher is not None else None
+    served = teacher if needs_teacher_server(config) else None
+    for what, path in (("model.path", config.model.path), ("teacher.path", served)):
+        if path is not None and is_hub_id(path):
+            fetch_hub_model(path, what)
     if teacher is not None and needs_teacher_server(config) and missing_local_folder(teacher):
         raise ConfigError(f"teacher.path={teacher!r} does not exist; put a teacher there (a trained run's weights "
                           f"folder, or `rlbus init-model --out {teacher}` for a random one to try the pipeline) or "
                           "list running teacher servers in teacher.base_urls")
+
+
+def check_wandb(config: RlbusConfig) -> None:
+    """W&B online has an API key to log in with (``WANDB_API_KEY`` or ``wandb login``'s netrc entry); without one
+    ``wandb.init`` stops the run after every worker has started."""
+    if config.wandb is None or config.wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        logged_in = False
+    if not logged_in:
+        raise ConfigError("wandb.mode = \"online\" needs a W&B API key and none is configured; set WANDB_API_KEY, "
+                          "run `wandb login`, or set wandb.mode = \"offline\"")
+
+
+def check_has_env(config: RlbusConfig) -> None:
+    """A run trains on at least one env (the feeder, filter and packer would each stop on none)."""
+    if not config.env:
+        raise ConfigError("no [[env]] configured; a run needs at least one training env (an [[env]] with an id)")
 
 
 def check_envs(config: RlbusConfig) -> dict[str, int]:

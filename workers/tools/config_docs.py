@@ -13,7 +13,9 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from workers.config import RlbusConfig
-from workers.tools.migration import ART, DIFFERENCES, PRIME_RL, Target
+from workers.tools.migration import Target
+from workers.tools.migration_art import ART
+from workers.tools.migration_prime_rl import DEFAULTS, ENV, ENV_ARRAYS, PRIME_RL, VERIFIERS_ENV
 
 HEADER = """# Configuration reference
 
@@ -22,7 +24,7 @@ file (or several, merged: `rlbus ROLE @ a.toml @ b.toml`), and any key can be se
 (`--packer.batch_size 64`, `--env.0.group_size 4`, top-level keys as `--group-size 4`). Unknown keys are
 errors. Per-env settings that an `[[env]]` (or `[[eval.env]]`) leaves unset inherit, field by field, from the
 shared ones. Migrating: `rlbus config convert --from prime-rl rl.toml` writes the fields that map and lists
-the others; the tables at the end say where each prime-rl and ART setting lives.
+the others (`docs/migrating.md`); the tables at the end say where each prime-rl and ART setting lives.
 """
 
 
@@ -103,22 +105,64 @@ def _section(header: str, model: type[BaseModel]) -> list[str]:
     return lines + [""]
 
 
-def _mapping(title: str, table: dict[str, Target], intro: str) -> list[str]:
-    lines = [f"## {title}", "", intro, "", "| field | rlbus | note |", "|---|---|---|"]
+DIFFERENCES: list[tuple[str, str]] = [
+    ("group_size = 8 by default", "prime-rl's is 1; a GRPO group needs more than one sample to have a signal"),
+    ("batch sizes count samples", "ART counts groups; prime-rl's batch_size counts samples, as rlbus's"),
+    ("filter.advantage.std_normalize = false", "ART normalises by default; Dr. GRPO showed the std division biases"
+     " toward easy and hard prompts"),
+    ("[[env]] and [sampling] at the top level", "prime-rl nests them under [orchestrator.train]; rlbus has one "
+     "training pool"),
+    ("model.path instead of model.name", "a local folder or a hub id, as transformers reads it; a missing local "
+     "folder gets the random-init preset, so a tiny run needs no download"),
+    ("prefetch_steps (1)", "rlbus builds a step ahead of the trainer; it is capped at max_off_policy_steps, so "
+     "0 stays strictly on-policy"),
+    ("trainer.loss = dppo", "ART defaults to cispo; dppo is prime-rl's default"),
+    ("an empty Redis restores from the checkpoint", "prime-rl's orchestrator keeps its progress in its own "
+     "checkpoint; rlbus keeps it in Redis and copies it into every trainer checkpoint"),
+]
+"""Where rlbus differs on purpose: (what, why)."""
+
+
+def _rows(table: dict[str, Target]) -> list[str]:
+    lines = ["| field | rlbus | note |", "|---|---|---|"]
     for field, target in table.items():
-        rlbus = f"`{target.key}`" if target.key else "—"
+        rlbus = f"`{target.key}`" if target.key else ("(rlbus's default)" if target.same else "—")
+        if target.each:
+            rlbus = f"`{target.each}` (item by item)" + (f", or `{target.key}`" if target.key else "")
         lines.append(f"| `{field}` | {rlbus} | {_cell(target.note)} |")
     return lines + [""]
+
+
+def _prime_rl() -> list[str]:
+    env_rows = tuple(f"{array}." for array in ENV_ARRAYS)
+    return [
+        "## From prime-rl", "",
+        "Paths are those of a combined `rl.toml` (a split orchestrator, trainer or inference file is read under "
+        "`orchestrator.`, `trainer.`, `inference.`); `[]` marks an array of tables. `rlbus config convert --from "
+        "prime-rl` applies these tables; `—` is a field left behind, with the reason. See `docs/migrating.md`.", "",
+        *_rows({k: t for k, t in PRIME_RL.items() if not k.startswith(env_rows)}),
+        "### prime-rl env blocks", "",
+        f"The same rows hold under each of {', '.join(f'`{a}`' for a in ENV_ARRAYS)}: train arrays become "
+        "`[[env]]`, eval arrays `[[eval.env]]` (which add `num_examples` and `interval`). A block named by `id`:", "",
+        *_rows({f"[].{k}": t for k, t in ENV.items()}),
+        "A block of the verifiers form (`taskset`, `agent`, `harness`, or a source's `env` table) carries over 1:1, "
+        "by the same names:", "",
+        *_rows({f"[].{k}": t for k, t in VERIFIERS_ENV.items() if k not in ENV or VERIFIERS_ENV[k] != ENV[k]}),
+        "### Defaults that differ", "",
+        "Written into the converted config, with a comment, where the prime-rl config leaves them unset:", "",
+        "| prime-rl field | rlbus key | prime-rl's default | why |", "|---|---|---|---|",
+        *[f"| `{f}` | `{k}` | `{v}` | {_cell(why)} |" for f, k, v, why in DEFAULTS], "",
+    ]
 
 
 def render_page() -> str:
     lines = [HEADER, "## Sections", ""]
     for header, model in sections():
         lines += _section(header, model)
-    lines += _mapping("From prime-rl's orchestrator config", PRIME_RL,
-                      "Paths are under `[orchestrator]`; `[]` marks an array of tables (`[[orchestrator.train.env]]`)."
-                      " `rlbus config convert --from prime-rl` applies this table.")
-    lines += _mapping("From ART's `PipelineTrainer`", ART, "Keyword arguments of `PipelineTrainer(...)`.")
+    lines += _prime_rl()
+    lines += ["## From ART's `PipelineTrainer`", "", "Keyword arguments of `PipelineTrainer(...)` (`pipeline.*`: its "
+              "`PipelineRuntimeConfig`); ART's deprecated direct settings and earlier names are listed as aliases.",
+              "", *_rows(ART)]
     lines += ["## Where rlbus differs on purpose", "", "| rlbus | why |", "|---|---|"]
     lines += [f"| {_cell(what)} | {_cell(why)} |" for what, why in DIFFERENCES]
     return "\n".join(lines).rstrip() + "\n"

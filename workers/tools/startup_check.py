@@ -1,0 +1,56 @@
+"""What would stop ``rlbus run`` at start, without starting anything: a config (as a dict) → one line per problem.
+
+The same checks ``rlbus run`` makes before it starts a process (``check_has_env``, ``check_envs``,
+``check_models`` and ``check_wandb`` of :mod:`workers.run.session`), after the config model's own validation;
+each env is checked on its own, so every env that would not load is named, not only the first. Whether an env
+runs is the env registry's and the config model's to say (an env form this checkout does not know fails
+validation, and is reported as such).
+"""
+
+from pydantic import ValidationError
+
+from bus.errors import ConfigError
+from workers.config import RlbusConfig
+from workers.run.session import check_envs, check_has_env, check_models, check_wandb
+
+
+def startup_problems(data: dict) -> list[str]:
+    """One line per problem that would stop ``rlbus run`` with this config; empty when it would start."""
+    try:
+        config = RlbusConfig.model_validate(data)
+    except ValidationError as e:
+        return _validation_lines(e.errors())
+    except ValueError as e:
+        return [str(e)]
+    problems = [_problem(check_has_env, config)]
+    for section, envs in (("env", config.env), ("eval.env", config.eval.env)):
+        for i, env in enumerate(envs):
+            alone = config.model_copy(update={
+                "env": [env] if section == "env" else [],
+                "eval": config.eval.model_copy(update={"env": [env] if section == "eval.env" else []})})
+            problem = _problem(check_envs, alone)
+            problems.append(problem and problem.replace(f"{section}.0 ", f"{section}.{i} ", 1))
+    problems += [_problem(check_models, config), _problem(check_wandb, config)]
+    return [p for p in problems if p]
+
+
+def _problem(check, config: RlbusConfig) -> str | None:
+    try:
+        check(config)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _validation_lines(errors: list[dict]) -> list[str]:
+    """One line per env (``env.0: id: Field required; taskset: not a field …``) or other field."""
+    lines: dict[str, list[str]] = {}
+    for error in errors:
+        loc = [str(part) for part in error["loc"] if not str(part).startswith("function-")]
+        head = 2 if loc[:1] == ["env"] else 3 if loc[:2] == ["eval", "env"] else len(loc)
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "not a field this rlbus knows"
+        where, rest = ".".join(loc[:head]) or "the config", ".".join(loc[head:])
+        lines.setdefault(where, []).append(f"{rest}: {message}" if rest else message)
+    return [f"{where}: {'; '.join(messages)}" for where, messages in lines.items()]
