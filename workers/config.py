@@ -196,9 +196,13 @@ class StatusConfig(Section):
 
 
 class ExporterConfig(Section):
-    port: int | None = Field(9400, ge=0, le=65535)
+    port: int = Field(9400, ge=0, le=65535)
     """Port of the Prometheus metrics (``/metrics``) that ``rlbus exporter`` and ``rlbus run`` serve; 0: any free
-    port. ``rlbus run`` takes a free one when this is in use and prints it. None: ``rlbus run`` serves none."""
+    port. ``rlbus run`` takes a free one when this one is in use, and prints it."""
+
+    in_run: bool = True
+    """Whether ``rlbus run`` (``--attach`` too) serves the metrics itself; false where ``rlbus exporter`` runs as
+    its own service (compose, Kubernetes)."""
 
     host: str = "0.0.0.0"
     """Address the metrics server listens on."""

@@ -272,7 +272,7 @@ class RunSession:
         """Serve the run's Prometheus metrics on ``exporter.port`` (a free port when that one is taken) and print
         where."""
         cfg = self.config.exporter
-        if cfg.port is None:
+        if not cfg.in_run:
             return
         self.exporter = Exporter(self.config, redis_url, restarts=self.sup.restarts_by_role)
         port = self.exporter.start(cfg.port if _port_free(cfg.host, cfg.port) else 0, cfg.host)

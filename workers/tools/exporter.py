@@ -220,7 +220,8 @@ class Exporter:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-        self._follow.join(timeout=5)
+        if self._follow.is_alive():
+            self._follow.join(timeout=5)
         self.client.close()
 
 
@@ -235,8 +236,6 @@ def main(config: RlbusConfig, argv: list[str]) -> int:
     args = parse_args(argv, config)
     if not config.redis.url:
         raise ConfigError("rlbus exporter needs redis.url (the Redis of the run to watch); pass --redis.url")
-    if args.port is None:
-        raise ConfigError("exporter.port is None; pass --port N (0: any free port)")
     exporter = Exporter(config, config.redis.url)
     try:
         exporter.client.ping()
