@@ -48,7 +48,8 @@ class RunCollector:
         self.config = config
         self.keys = Keys(config.run.name)
         self.run = config.run.name
-        self.follower = RunFollower(client, config)
+        envs = {e.resolved_name for e in config.env} | {e.resolved_name for e in config.eval.env}
+        self.follower = RunFollower(client, config.run.name, sorted(envs))
         self.restarts = restarts
         self.started_ms: int | None = None
         self.collect_s = 0.0

@@ -149,18 +149,3 @@ class HopLatency:
             self._observe("training", packed, at_ms)
         else:
             self._trained[step] = at_ms
-
-
-def format_latency(hops: dict[str, Histogram], window_s: float) -> str:
-    """The per-hop breakdown as a table: count, mean, p50, p90, p99 and max (seconds)."""
-    lines = [f"per-hop latency over {window_s:.0f}s (seconds)",
-             f"{'hop':<12} {'count':>6} {'mean':>8} {'p50':>8} {'p90':>8} {'p99':>8} {'max':>8}"]
-    for hop, hist in hops.items():
-        q = hist.quantiles()
-        if q is None:
-            lines.append(f"{hop:<12} {0:>6} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8}")
-            continue
-        mean = hist.total / hist.count
-        lines.append(f"{hop:<12} {hist.count:>6} {mean:>8.3f} {q[0]:>8.3f} {q[1]:>8.3f} {q[2]:>8.3f} "
-                     f"{max(hist.values):>8.3f}")
-    return "\n".join(lines)

@@ -20,7 +20,6 @@ from bus.keys import Keys
 from bus.messages import DeadLetter, Metric, MicroBatch, PolicyVersion, RolloutGroup, Task, decode
 from bus.observe import id_ms, read_after, read_all
 from bus.state import LAST_STEP_FIELD
-from workers.config import RlbusConfig
 from workers.tools.latency import LATENCY_BUCKETS_S, Histogram, HopLatency
 
 SUMMED = {
@@ -55,10 +54,11 @@ def reason_class(reason: str) -> str:
 class RunFollower:
     """What a run's streams said so far (see the module doc). Call :meth:`poll` in a loop."""
 
-    def __init__(self, client: redis.Redis, config: RlbusConfig):
+    def __init__(self, client: redis.Redis, run: str, envs: list[str], keep_values: bool = False):
+        """Follow run ``run``'s streams of ``envs``; ``keep_values`` keeps each hop's latencies (for quantiles)."""
         self.client = client
-        self.keys = Keys(config.run.name)
-        self.envs = sorted({e.resolved_name for e in config.env} | {e.resolved_name for e in config.eval.env})
+        self.keys = Keys(run)
+        self.envs = sorted(envs)
         self.counters: dict[tuple[str, str], float] = defaultdict(float)
         self.dead: dict[tuple[str, str], int] = defaultdict(int)
         """(stream family, reason class) → dead letters."""
@@ -69,7 +69,7 @@ class RunFollower:
         self.trained = 0
         self.trained_at_ms: int | None = None
         self.served: dict[str, int] = {}
-        self.latency = HopLatency()
+        self.latency = HopLatency(keep_values)
         self.weight_update = defaultdict(lambda: Histogram(LATENCY_BUCKETS_S))
         """Server → seconds from a step's ``trained`` entry to that server's ``served`` entry for it."""
         self._trained_ms: dict[int, int] = {}

@@ -1,12 +1,14 @@
 """A real Prometheus (Debian's /usr/bin/prometheus) scrapes a live `rlbus run` and its inference server: every panel
 of the Grafana dashboard and every alert of deploy/prometheus answers through Prometheus's HTTP API with the labels
-the dashboard expects, and the no-progress alert fires on a stopped trainer (SIGSTOP) and clears when it resumes."""
+the dashboard expects, and the no-progress alert fires on a stopped trainer (SIGSTOP) and clears when it resumes;
+`rlbus inspect --latency` prints the per-hop breakdown of the live run."""
 
 import json
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -126,10 +128,13 @@ def scraped_run(tmp_path_factory, tiny_model_dir):
             proc.wait(10)
 
 
+def redis_url(out: Path) -> str:
+    return re.search(r'^url = "(.+)"$', (out / "config.resolved.toml").read_text(), flags=re.M).group(1)
+
+
 def dead_letter_one(out: Path) -> None:
     """A task entry no worker can decode: the rollout worker dead-letters it (reason ``decode``)."""
-    url = re.search(r'^url = "(.+)"$', (out / "config.resolved.toml").read_text(), flags=re.M).group(1)
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(redis_url(out))
     try:
         client.xadd(Keys(RUN).tasks("echo_chars"), {"kind": "task", "v": "1", "data": b"\xc1 not msgpack"})
     finally:
@@ -183,3 +188,16 @@ def test_no_progress_alert_fires_on_a_stopped_trainer_and_clears_when_it_resumes
     assert fired_after_s >= NO_PROGRESS_S
     prometheus.wait("cleared RlbusNoProgress", lambda: not prometheus.alerts("RlbusNoProgress"), 40)
     assert proc.poll() is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_inspect_latency_prints_every_hop_of_the_live_run(scraped_run):
+    proc, out, _ = scraped_run
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "--run", RUN, "--redis-url", redis_url(out),
+                           "--latency", "4"], capture_output=True, text=True, cwd=REPO, timeout=40)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[2:]}
+    assert set(rows) == {"queued", "generating", "filtering", "packing", "training"}, done.stdout
+    assert all(int(cells[0]) > 0 and cells[1] != "-" for cells in rows.values()), done.stdout
+    print(done.stdout)
