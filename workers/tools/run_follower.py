@@ -11,6 +11,7 @@ follower reads with a blocking XREAD, so it sees an entry within milliseconds of
 
 import re
 import threading
+import time
 from collections import defaultdict
 
 import redis
@@ -18,7 +19,7 @@ import redis
 from bus.errors import DecodeError
 from bus.keys import Keys
 from bus.messages import DeadLetter, Metric, MicroBatch, PolicyVersion, RolloutGroup, Task, decode
-from bus.observe import id_ms, read_after, read_all
+from bus.observe import group_streams, id_ms, read_after, read_all
 from bus.state import LAST_STEP_FIELD
 from workers.tools.latency import LATENCY_BUCKETS_S, Histogram, HopLatency
 
@@ -43,6 +44,10 @@ TRAINER_SOURCES = {"tokens", "wait_s", "step_time_s"}
 _REASON = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 GROUP_FAMILIES = ("tasks", "rollouts", "filtered")
 
+DISCOVER_S = 5.0
+"""How often the follower looks for the streams of envs it does not follow yet (a config that names none of them,
+an exporter started with only ``--run.name``)."""
+
 
 def reason_class(reason: str) -> str:
     """A dead letter's reason as a short label: its first word (``decode``, ``delivered``, ``TimeoutError``, …), so
@@ -55,7 +60,8 @@ class RunFollower:
     """What a run's streams said so far (see the module doc). Call :meth:`poll` in a loop."""
 
     def __init__(self, client: redis.Redis, run: str, envs: list[str], keep_values: bool = False):
-        """Follow run ``run``'s streams of ``envs``; ``keep_values`` keeps each hop's latencies (for quantiles)."""
+        """Follow run ``run``'s streams of ``envs`` and of every env whose streams appear (looked for every
+        :data:`DISCOVER_S`); ``keep_values`` keeps each hop's latencies (for quantiles)."""
         self.client = client
         self.keys = Keys(run)
         self.envs = sorted(envs)
@@ -78,12 +84,18 @@ class RunFollower:
             self._positions.update({self.keys.tasks(env): "0", self.keys.rollouts(env): "0",
                                     self.keys.filtered(env): "0"})
         self.next_step: int | None = None
+        self._discovered_at = float("-inf")
         self.lock = threading.Lock()
         """Held while the figures change; a reader of them (a scrape) takes it too."""
 
     def poll(self, block_ms: int | None = None) -> int:
         """Read every new entry (waiting up to ``block_ms`` for the first); returns how many. Reads outside
         :attr:`lock`, counts under it."""
+        if time.monotonic() - self._discovered_at >= DISCOVER_S:
+            found = group_streams(self.client, self.keys)  # a task's hops are read in order: tasks, rollouts, filtered
+            for key in sorted(found, key=lambda k: GROUP_FAMILIES.index(self.keys.family(k))):
+                self._positions.setdefault(key, "0")
+            self._discovered_at = time.monotonic()
         entries = read_after(self.client, self._positions, block_ms=block_ms)
         with self.lock:
             for stream, entry_id, fields in entries:

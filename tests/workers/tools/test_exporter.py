@@ -160,3 +160,15 @@ def test_rlbus_exporter_serves_the_metrics_and_stops_on_sigterm(redis_url, run_n
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_exporter_whose_config_names_no_env_finds_the_runs_streams(redis_url, run_name, redis_client):
+    cfg = RlbusConfig.model_validate({"run": {"name": run_name}, "redis": {"url": redis_url}})
+    exporter = Exporter(cfg, redis_url)
+    write_run(redis_client, exporter.collector.keys)
+    try:
+        exporter.collector.follower.poll()
+        found = samples(exporter.registry)
+    finally:
+        exporter.stop()
+    assert value(found, "rlbus_hop_latency_seconds_sum", hop="queued") == pytest.approx(0.5)
