@@ -23,10 +23,22 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import matplotlib
+# Run as a script, this file's folder comes first on sys.path and benchmarks/bus.py shadows the `bus` package.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from prometheus_client import generate_latest  # noqa: E402
+from prometheus_client.registry import CollectorRegistry  # noqa: E402
+
+from bus.clients import sync_client  # noqa: E402
+from bus.keys import Keys  # noqa: E402
+from workers.config import RlbusConfig  # noqa: E402
+from workers.tools.exporter import RunCollector  # noqa: E402
+from workers.tools.inspect_run import run_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK_S = 100.0  # os.sysconf("SC_CLK_TCK") on Linux
@@ -91,6 +103,26 @@ def exporter_value(port: int, name: str) -> float:
     return float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, flags=re.M).group(1))
 
 
+def scrape_cpu_ms(url: str, run: str, n: int = 50) -> tuple[float, float]:
+    """CPU ms of one scrape's collect and text encoding, in this process against the live run; beside it, of
+    ``rlbus inspect``'s one-shot report (the same XINFO reads, no Prometheus)."""
+    client = sync_client(url)
+    collector = RunCollector(client, RlbusConfig.model_validate({"run": {"name": run}, "redis": {"url": url}}))
+    registry = CollectorRegistry()
+    registry.register(collector)
+    collector.follower.poll()
+    started = time.process_time()
+    for _ in range(n):
+        generate_latest(registry)
+    scrape = (time.process_time() - started) / n * 1000
+    started = time.process_time()
+    for _ in range(n):
+        run_report(client, Keys(run))
+    inspect = (time.process_time() - started) / n * 1000
+    client.close()
+    return scrape, inspect
+
+
 def plot_panels(prom_port: int, start: float, end: float, run: str, path: Path) -> int:
     panels = [p for p in json.loads((ROOT / "deploy/grafana/dashboards/rlbus.json").read_text())["panels"]
               if p["type"] != "row"]
@@ -98,6 +130,7 @@ def plot_panels(prom_port: int, start: float, end: float, run: str, path: Path) 
     fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(18, 3.2 * ((len(panels) + 3) // 4)))
     drawn = 0
     for ax, panel in zip(axes.flat, panels, strict=False):
+        before = drawn
         for target in panel["targets"]:
             expr = target["expr"].replace("$run", run).replace("$__rate_interval", "15s")
             result = get_json(f"http://127.0.0.1:{prom_port}/api/v1/query_range", query=expr, start=start, end=end,
@@ -113,6 +146,8 @@ def plot_panels(prom_port: int, start: float, end: float, run: str, path: Path) 
         ax.set_xlabel("s", fontsize=7)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, loc="best")
+        if drawn == before:
+            ax.text(0.5, 0.5, "no series in this run", ha="center", va="center", transform=ax.transAxes)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(f"rlbus dashboard panels, Prometheus query_range over a live CPU-default run ({end - start:.0f} s)")
@@ -171,10 +206,14 @@ def main() -> None:
         print(f"run (every process of `rlbus run`): {run_rate:.2f} CPU-s/s")
         print(f"exporter, following only:           {follow_rate * 1000:.1f} CPU-ms/s ({follow_rate / run_rate:.1%} of the run)")
         print(f"exporter, scraped every 1 s:        {scraped_rate * 1000:.1f} CPU-ms/s over {scrapes:.0f} scrapes")
-        print(f"one scrape (process CPU delta):     {(scraped_rate - follow_rate) * (t3 - t2) / scrapes * 1000:.1f} CPU-ms")
-        print(f"one scrape (collect thread CPU):    {(collect1 - collect0) / scrapes * 1000:.1f} CPU-ms")
+        print(f"one scrape (process CPU delta):     {(scraped_rate - follow_rate) * (t3 - t2) / scrapes * 1000:.1f} CPU-ms"
+              " (noisy: the follower's share moves with the run's pace)")
+        print(f"one scrape (its collect thread):    {(collect1 - collect0) / scrapes * 1000:.1f} CPU-ms")
         if args.plot:
             print(f"plotted {plot_panels(prom_port, start, end, run, args.plot)} series to {args.plot}")
+        scrape, inspect = scrape_cpu_ms(url, run)
+        print(f"one scrape in-process (collect + text): {scrape:.1f} CPU-ms; "
+              f"bare baseline, `rlbus inspect`'s report: {inspect:.1f} CPU-ms")
     finally:
         for proc in reversed(procs):
             proc.send_signal(signal.SIGTERM)

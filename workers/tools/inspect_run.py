@@ -50,10 +50,10 @@ def stream_report(client: redis.Redis, key: str, now_ms: int) -> dict[str, Any]:
             for c in client.xinfo_consumers(key, name)
         ]
         oldest_age_s = oldest_idle_ms = None
-        if group["pending"]:
-            first = client.xpending_range(key, name, min="-", max="+", count=1)[0]
-            oldest_age_s = round((now_ms - _id_ms(as_str(first["message_id"]))) / 1000, 3)
-            oldest_idle_ms = first["time_since_delivered"]
+        first = client.xpending_range(key, name, min="-", max="+", count=1) if group["pending"] else []
+        if first:  # (acked since XINFO GROUPS counted it: none)
+            oldest_age_s = round((now_ms - _id_ms(as_str(first[0]["message_id"]))) / 1000, 3)
+            oldest_idle_ms = first[0]["time_since_delivered"]
         report["groups"].append(
             {
                 "name": name,
@@ -76,11 +76,13 @@ def run_report(client: redis.Redis, keys: Keys) -> dict[str, Any]:
         as_str(k) for k in client.scan_iter(match=keys.pattern(), count=1000, _type="stream")
     )
     state = {as_str(k): as_str(v) for k, v in client.hgetall(keys.state()).items()}
-    return {
-        "run": keys.run,
-        "streams": [{"name": k[len(keys.prefix) :], **stream_report(client, k, now_ms)} for k in stream_keys],
-        "state": dict(sorted(state.items())),
-    }
+    streams = []
+    for key in stream_keys:
+        try:
+            streams.append({"name": key[len(keys.prefix) :], **stream_report(client, key, now_ms)})
+        except redis.ResponseError:  # deleted since the scan (the trainer deletes old batches:{s})
+            continue
+    return {"run": keys.run, "streams": streams, "state": dict(sorted(state.items()))}
 
 
 def summarize(value: Any) -> Any:
