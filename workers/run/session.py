@@ -275,7 +275,10 @@ class RunSession:
         if not cfg.in_run:
             return
         self.exporter = Exporter(self.config, redis_url, restarts=self.sup.restarts_by_role)
-        port = self.exporter.start(cfg.port if _port_free(cfg.host, cfg.port) else 0, cfg.host)
+        try:
+            port = self.exporter.start(cfg.port, cfg.host)
+        except OSError:  # in use (another run on this machine)
+            port = self.exporter.start(0, cfg.host)
         print(f"metrics: http://{cfg.host}:{port}/metrics (Prometheus)", flush=True)
 
     async def start_eval(self, bus: Bus):
