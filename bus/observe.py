@@ -116,6 +116,11 @@ def read_after(client: redis.Redis, positions: dict[str, str], count: int = 500,
     return out
 
 
+def stream_length(client: redis.Redis, key: str) -> int:
+    """Entries in ``key`` (0 when it does not exist)."""
+    return int(client.xlen(key))
+
+
 def read_all(client: redis.Redis, key: str) -> list[tuple[str, dict]]:
     """Every entry of ``key`` (a step's micro-batches): ``(id, fields)``, oldest first."""
     return [(as_str(i), f) for i, f in client.xrange(key)]

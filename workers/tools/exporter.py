@@ -27,7 +27,7 @@ from bus.config import redact, redis_password
 from bus.errors import ConfigError
 from bus.keys import Keys
 from bus.log import get_logger
-from bus.observe import group_streams, heartbeat_ages, now_ms, state_fields, stream_view
+from bus.observe import group_streams, heartbeat_ages, now_ms, state_fields, stream_length, stream_view
 from bus.state import INFLIGHT_FIELD, LAST_STEP_FIELD
 from workers.config import RlbusConfig
 from workers.tools.latency import Histogram
@@ -103,7 +103,7 @@ class RunCollector:
             self._gauge("stream_length", "Entries in the stream.", ["stream", "env"],
                         [((v.family, v.suffix), v.length) for v in views]),
             self._gauge("dead_letter_stream_length", "Entries in the dead-letter stream.", [],
-                        [([], self.client.xlen(self.keys.dead()))]),
+                        [([], stream_length(self.client, self.keys.dead()))]),
             self._gauge("group_lag", "Entries not yet delivered to the group.", labels,
                         [(k, g.lag) for k, g in groups if g.lag is not None]),
             self._gauge("group_pending", "Entries delivered to the group and not yet acked.", labels,
@@ -131,11 +131,20 @@ class RunCollector:
 
     def _followed(self) -> list[PromMetric]:
         """What the follower gathered from the streams."""
+        out = [*self._versions_and_counts(), *self._latencies_and_results()]
+        trainer = self.follower.latest.get("trainer", {})
+        out += [self._gauge(name, doc, [], [([], trainer[key])] if key in trainer else [])
+                for key, (name, doc) in TRAINER_GAUGES.items()]
+        if self.restarts is not None:
+            out.append(self._counter("worker_restarts", "Restarts of the workers `rlbus run` supervises.", ["role"],
+                                     [([r], n) for r, n in self.restarts().items()]))
+        return out
+
+    def _versions_and_counts(self) -> list[PromMetric]:
         f = self.follower
         c = f.counters
-        trainer = f.latest.get("trainer", {})
         max_off = self.config.packer.max_off_policy_steps
-        out = [
+        return [
             self._gauge("policy_trained_step", "The newest step the trainer published (policy version trained).", [],
                         [([], f.trained)]),
             self._gauge("policy_served_step", "The step each inference server serves.", ["server"],
@@ -156,6 +165,11 @@ class RunCollector:
                           [([], c[("seconds", "trainer_step")])]),
             self._counter("rollout_gate_wait_seconds", "Seconds rollouts waited on the staleness gate.", [],
                           [([], c[("seconds", "rollout_gate_wait")])]),
+        ]
+
+    def _latencies_and_results(self) -> list[PromMetric]:
+        f = self.follower
+        return [
             self._histogram("hop_latency_seconds", "Per-hop latency of a training sample (queued, generating, "
                             "filtering, packing, training).", ["hop"],
                             [([hop], h) for hop, h in f.latency.hops.items()]),
@@ -173,12 +187,6 @@ class RunCollector:
                         [([e], v["pass@1"]) for e, v in f.eval.items() if "pass@1" in v]),
             self._gauge("eval_step", "The step of the newest eval.", ["env"], [([e], v["step"]) for e, v in f.eval.items()]),
         ]
-        out += [self._gauge(name, doc, [], [([], trainer[key])] if key in trainer else [])
-                for key, (name, doc) in TRAINER_GAUGES.items()]
-        if self.restarts is not None:
-            out.append(self._counter("worker_restarts", "Restarts of the workers `rlbus run` supervises.", ["role"],
-                                     [([r], n) for r, n in self.restarts().items()]))
-        return out
 
 
 def _worker_labels(member: str) -> list[str]:
