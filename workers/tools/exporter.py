@@ -28,7 +28,7 @@ from bus.errors import ConfigError
 from bus.keys import Keys
 from bus.log import get_logger
 from bus.observe import group_streams, heartbeat_ages, now_ms, state_fields, stream_length, stream_view
-from bus.state import INFLIGHT_FIELD, LAST_STEP_FIELD
+from bus.state import INFLIGHT_FIELD, LAST_STEP_FIELD, STOP_REASON_FIELD
 from workers.config import RlbusConfig
 from workers.tools.latency import Histogram
 from workers.tools.run_follower import RunFollower
@@ -116,6 +116,8 @@ class RunCollector:
                         labels, [(k, g.consumers) for k, g in groups]),
             self._counter("group_entries_read", "Entries the group has read over the stream's life.", labels,
                           [(k, g.entries_read) for k, g in groups if g.entries_read is not None]),
+            self._gauge("run_finished", "1 once the run is over (trained run.max_steps, or a stop reason is set: "
+                        "data exhausted, collapse), else 0.", [], [([], float(self._finished(state)))]),
             self._gauge("inflight_samples", "Samples issued by the feeder and not yet consumed by the packer.", [],
                         [([], float(state.get(INFLIGHT_FIELD, 0)))]),
             self._gauge("packer_last_step", "The last step the packer published.", [],
@@ -128,6 +130,10 @@ class RunCollector:
             self._gauge("inference_server_heartbeat_age_seconds", "Seconds since the inference server's last "
                         "heartbeat.", ["server"], [([s], age) for s, age in servers.items()]),
         ]
+
+    def _finished(self, state: dict[str, str]) -> bool:
+        max_steps = self.config.run.max_steps
+        return bool(state.get(STOP_REASON_FIELD)) or (max_steps is not None and self.follower.trained >= max_steps)
 
     def _followed(self) -> list[PromMetric]:
         """What the follower gathered from the streams."""

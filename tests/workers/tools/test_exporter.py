@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bus.local_redis import free_port
 from bus.messages import DeadLetter, Metric, PolicyVersion, RolloutGroup, Sample, Task
-from bus.state import INFLIGHT_FIELD
+from bus.state import INFLIGHT_FIELD, STOP_REASON_FIELD
 from tests.paths import REPO
 from workers.config import RlbusConfig
 from workers.stages.packing import pack_step
@@ -112,6 +112,7 @@ def test_the_figures_of_a_run_written_by_hand(redis_url, run_name, redis_client)
     assert value(found, "rlbus_eval_reward", env=ENV) == 0.75
     assert value(found, "rlbus_eval_pass_at_1", env=ENV) == 0.5
     assert value(found, "rlbus_inflight_samples") == 6
+    assert value(found, "rlbus_run_finished") == 0
     tasks = {"stream": "tasks", "env": ENV, "group": "rollout"}
     assert value(found, "rlbus_stream_length", stream="rollouts", env=ENV) == 1
     assert value(found, "rlbus_group_pending", **tasks) == 1
@@ -122,7 +123,7 @@ def test_the_figures_of_a_run_written_by_hand(redis_url, run_name, redis_client)
     assert value(found, "rlbus_dead_letter_stream_length") == 3
 
 
-def test_a_second_poll_counts_only_what_is_new(redis_url, run_name, redis_client):
+def test_a_second_poll_counts_only_what_is_new_and_a_stop_reason_ends_the_run(redis_url, run_name, redis_client):
     exporter = Exporter(config(redis_url, run_name), redis_url)
     keys = exporter.collector.keys
     try:
@@ -132,6 +133,8 @@ def test_a_second_poll_counts_only_what_is_new(redis_url, run_name, redis_client
         redis_client.xadd(keys.metrics(), Metric(source="packer", step=2, values={"packer/groups": 4.0}).to_fields())
         exporter.collector.follower.poll()
         assert value(samples(exporter.registry), "rlbus_groups_total", outcome="trained") == 7
+        redis_client.hset(keys.state(), STOP_REASON_FIELD, "data exhausted")
+        assert value(samples(exporter.registry), "rlbus_run_finished") == 1
     finally:
         exporter.stop()
 
