@@ -39,10 +39,10 @@ def _group_report(client: redis.Redis, key: str, group: dict, now_ms: int) -> di
         for c in client.xinfo_consumers(key, name)
     ]
     oldest_age_s = oldest_idle_ms = None
-    if group["pending"]:
-        first = client.xpending_range(key, name, min="-", max="+", count=1)[0]
-        oldest_age_s = round((now_ms - entry_order(as_str(first["message_id"]))[0]) / 1000, 3)
-        oldest_idle_ms = first["time_since_delivered"]
+    first = client.xpending_range(key, name, min="-", max="+", count=1) if group["pending"] else []
+    if first:  # (acked since XINFO GROUPS counted it: none)
+        oldest_age_s = round((now_ms - entry_order(as_str(first[0]["message_id"]))[0]) / 1000, 3)
+        oldest_idle_ms = first[0]["time_since_delivered"]
     return {
         "name": name,
         "consumers": consumers,

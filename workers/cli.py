@@ -21,6 +21,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "packer": ("workers.stages.packer:main", "pack filtered groups into the micro-batches of each step"),
     "trainer": ("trainer.worker:main", "train on each step's micro-batches, publish weights and versions"),
     "run": ("workers.run.chain:main", "start a whole run (or its [[stage]]s in turn) on this machine"),
+    "exporter": ("workers.tools.exporter:main", "serve a run's figures (streams, lag, versions, latency) to Prometheus"),
     "inspect": ("workers.tools.inspect_run:main", "show a run's streams, groups, lag and pending entries; decode entries"),
     "replay": ("workers.tools.replay:main", "copy recorded rollouts or batches of one run into another run"),
     "health": ("workers.tools.health:main", "liveness probe: is a ROLE worker on this host heartbeating?"),

@@ -197,6 +197,23 @@ class StatusConfig(Section):
     """Weight of the newest step in the block's smoothed values (ART's ``status_ewa_alpha``)."""
 
 
+class ExporterConfig(Section):
+    port: int = Field(9400, ge=0, le=65535)
+    """Port of the Prometheus metrics (``/metrics``) that ``rlbus exporter`` and ``rlbus run`` serve; 0: any free
+    port. ``rlbus run`` takes a free one when this one is in use, and prints it."""
+
+    in_run: bool = True
+    """Whether ``rlbus run`` (``--attach`` too) serves the metrics itself; false where ``rlbus exporter`` runs as
+    its own service (compose, Kubernetes)."""
+
+    host: str = "0.0.0.0"
+    """Address the metrics server listens on."""
+
+    poll_s: float = Field(1.0, gt=0, le=10)
+    """Longest wait of one blocking read of the run's streams (a new entry ends it at once); also the pause after
+    a failed read."""
+
+
 class WandbConfig(Section):
     project: str
     """W&B project."""
@@ -274,6 +291,8 @@ class RlbusConfig(Section):
     """Log level and format of every worker."""
     status: StatusConfig = Field(default_factory=StatusConfig)
     """What ``rlbus run`` prints off a terminal."""
+    exporter: ExporterConfig = Field(default_factory=ExporterConfig)
+    """The Prometheus exporter (``rlbus exporter``, and the one ``rlbus run`` serves)."""
     wandb: WandbConfig | None = None
     """Weights & Biases logging by ``rlbus run``; None: off."""
     stage: list["StageConfig"] = Field(default_factory=list)

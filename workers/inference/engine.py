@@ -125,6 +125,11 @@ class Engine:
     def active(self) -> int:
         return len(self._seqs)
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for room in the running batch."""
+        return len(self._pending)
+
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_token: Callable[[int, int], None] | None = None) -> Request:
         """Queue a request; ``request.future`` resolves to a :class:`Generation`; ``on_token(choice, token)`` sees

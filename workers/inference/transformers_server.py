@@ -24,6 +24,7 @@ from trainer.lora import load_adapter_into, read_adapter
 from trainer.model import resolve_dtype
 from trainer.weights import load_tensors_into, read_weights
 from workers.config import RlbusConfig
+from workers.inference import prometheus
 from workers.inference.engine import Engine
 from workers.inference.openai_api import (
     ApiError,
@@ -50,6 +51,7 @@ class InferenceServer:
         self.bus: Any = None
         self.follower: Any = None
         self._runner: web.AppRunner | None = None
+        self._registry = None
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -69,6 +71,7 @@ class InferenceServer:
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
         ])
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -161,6 +164,11 @@ class InferenceServer:
         card = {"id": self.config.model.path, "object": "model", "owned_by": "rlbus",
                 "max_model_len": self.config.inference.max_model_len}
         return web.json_response({"object": "list", "data": [card], "policy_version": self.engine.policy_version})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self._registry is None:
+            self._registry = prometheus.registry_for(self.engine, self.config.run.name, self.server_id)
+        return web.Response(body=prometheus.render(self._registry), headers={"Content-Type": prometheus.CONTENT_TYPE})
 
     async def health(self, request: web.Request) -> web.Response:
         ok = self.engine.alive

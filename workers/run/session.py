@@ -48,6 +48,7 @@ from workers.run.resolved import child_password, dump_toml, needs_teacher_server
 from workers.run.status import RunProbe, render
 from workers.run.status_report import StatusReporter
 from workers.run.supervisor import ChildSpec, Supervisor
+from workers.tools.exporter import Exporter
 
 BACKGROUND_STOP_S = 10.0
 """How long the run waits for its own tasks (metrics, eval, supervision) to end once cancelled; then it stops the
@@ -85,6 +86,7 @@ class RunSession:
         self.metrics_last_id = "0"
         """The last metrics entry copied to metrics.jsonl."""
         self.tty = sys.stdout.isatty()
+        self.exporter: Exporter | None = None
 
     # Events from the supervisor: shown in the status panel (or printed).
 
@@ -237,6 +239,7 @@ class RunSession:
                            threads=self.threads, teacher_urls=[f"http://{host}:{p}/v1" for p in teacher_ports])
             self.resolved_path = self.output_dir / "config.resolved.toml"
             self.resolved_path.write_text(dump_toml(data))
+            self.start_exporter(redis_url)
             evaluator = await self.start_eval(bus)
             if not self.attach:
                 await asyncio.to_thread(self.init_model)
@@ -248,6 +251,8 @@ class RunSession:
             return CONFIG_EXIT_CODE if isinstance(e, ConfigError) else 1
         finally:
             await asyncio.to_thread(self.sup.stop_all, self.grace_s)
+            if self.exporter is not None:
+                await asyncio.to_thread(self.exporter.stop)
             if bus is not None:
                 await bus.close()
 
@@ -266,6 +271,19 @@ class RunSession:
                 f"run {self.config.run.name!r} already has keys in {redact(self.config.redis.url)}; pass --resume to "
                 "continue it, or choose another run.name"
             )
+
+    def start_exporter(self, redis_url: str) -> None:
+        """Serve the run's Prometheus metrics on ``exporter.port`` (a free port when that one is taken) and print
+        where."""
+        cfg = self.config.exporter
+        if not cfg.in_run:
+            return
+        self.exporter = Exporter(self.config, redis_url, restarts=self.sup.restarts_by_role)
+        try:
+            port = self.exporter.start(cfg.port, cfg.host)
+        except OSError:  # in use (another run on this machine)
+            port = self.exporter.start(0, cfg.host)
+        print(f"metrics: http://{cfg.host}:{port}/metrics (Prometheus)", flush=True)
 
     async def start_eval(self, bus: Bus):
         """The eval coordinator (None without [[eval.env]]); sets the first eval hold before any server starts."""

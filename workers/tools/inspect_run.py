@@ -3,11 +3,13 @@
     rlbus inspect --run demo                        # table of every stream of the run
     rlbus inspect --run demo --json                 # the same, for scripts
     rlbus inspect --run demo --tail 3 --stream rollouts:reverse_text
+    rlbus inspect --run demo --latency 30           # per-hop latency of the samples of the next 30 s
 """
 
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -19,9 +21,11 @@ from bus.config import redact
 from bus.errors import ConfigError, DecodeError
 from bus.keys import Keys
 from bus.messages import MicroBatch, decode
+from bus.observe import group_streams
 from bus.raw_entries import all_entries, newest_entries, stream_report
 from bus.resp import as_str
 from workers.config import RlbusConfig
+from workers.tools.run_follower import RunFollower
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -34,11 +38,13 @@ def run_report(client: redis.Redis, keys: Keys) -> dict[str, Any]:
         as_str(k) for k in client.scan_iter(match=keys.pattern(), count=1000, _type="stream")
     )
     state = {as_str(k): as_str(v) for k, v in client.hgetall(keys.state()).items()}
-    return {
-        "run": keys.run,
-        "streams": [{"name": k[len(keys.prefix) :], **stream_report(client, k, now_ms)} for k in stream_keys],
-        "state": dict(sorted(state.items())),
-    }
+    streams = []
+    for key in stream_keys:
+        try:
+            streams.append({"name": key[len(keys.prefix) :], **stream_report(client, key, now_ms)})
+        except redis.ResponseError:  # deleted since the scan (the trainer deletes old batches:{s})
+            continue
+    return {"run": keys.run, "streams": streams, "state": dict(sorted(state.items()))}
 
 
 def summarize(value: Any) -> Any:
@@ -95,6 +101,31 @@ def audit(client: redis.Redis, keys: Keys) -> dict[str, Any]:
             "samples": sum(len(s) for s in steps_of.values()), "trained_twice": twice}
 
 
+def latency(client: redis.Redis, keys: Keys, seconds: float) -> dict[str, Any]:
+    """Follow the run for ``seconds`` and return, per hop, the count and the mean, p50, p90, p99 and max seconds."""
+    envs = sorted({keys.suffix(k) for k in group_streams(client, keys)})
+    follower = RunFollower(client, keys.run, envs, keep_values=True)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        follower.poll(block_ms=max(1, int(min(left, 1.0) * 1000)))
+    hops = {}
+    for hop, hist in follower.latency.hops.items():
+        q = hist.quantiles()
+        hops[hop] = {"count": hist.count, **({} if q is None else {
+            "mean_s": hist.total / hist.count, "p50_s": q[0], "p90_s": q[1], "p99_s": q[2], "max_s": max(hist.values)})}
+    return {"run": keys.run, "seconds": seconds, "envs": envs, "hops": hops}
+
+
+def format_latency(result: dict[str, Any]) -> str:
+    lines = [f"run {result['run']}: where a training sample's time went over {result['seconds']:.0f}s "
+             f"(envs {', '.join(result['envs']) or 'none'}), seconds",
+             f"{'hop':<12} {'count':>6} {'mean':>8} {'p50':>8} {'p90':>8} {'p99':>8} {'max':>8}"]
+    for hop, row in result["hops"].items():
+        cells = [f"{row[k]:>8.3f}" if k in row else f"{'-':>8}" for k in ("mean_s", "p50_s", "p90_s", "p99_s", "max_s")]
+        lines.append(f"{hop:<12} {row['count']:>6} " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def format_audit(result: dict[str, Any]) -> str:
     lines = [f"run {result['run']}: {result['samples']} samples in {result['micro_batches']} micro-batches of "
              f"{result['steps']} steps"]
@@ -147,6 +178,8 @@ def parse_args(argv: list[str], config: RlbusConfig | None) -> argparse.Namespac
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--tail", type=int, metavar="N", help="decode the last N entries of --stream")
     parser.add_argument("--stream", help="stream for --tail: short name (dead, rollouts:ENV) or full key")
+    parser.add_argument("--latency", type=float, nargs="?", const=10.0, metavar="SECONDS",
+                        help="follow the run this long (default 10) and print where a sample's time goes, hop by hop")
     parser.add_argument("--audit", action="store_true",
                         help="check batches:* for samples trained twice (exit 1 when there are any)")
     args = parser.parse_args(argv)
@@ -170,6 +203,10 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
             result = audit(client, keys)
             print(json.dumps(result, indent=2) if args.json else format_audit(result))
             return 1 if result["trained_twice"] else 0
+        if args.latency is not None:
+            result = latency(client, keys, args.latency)
+            print(json.dumps(result, indent=2) if args.json else format_latency(result))
+            return 0
         if args.tail is not None:
             result = tail(client, keys, args.stream, args.tail)
             print(json.dumps(result, indent=2, default=str) if args.json else format_tail(result))

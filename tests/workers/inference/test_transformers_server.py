@@ -259,3 +259,21 @@ def test_gloo_broadcast_update_is_loaded_in_place(server, bus, run, tmp_path, mo
     _, after = _post(server, "/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0.0,
                                               "ignore_eos": True, "return_token_ids": True})
     assert after["policy_version"] == 2 and after["choices"][0]["token_ids"] == expected[2:]
+
+
+@pytest.mark.asyncio
+async def test_metrics_count_the_tokens_sampled_and_name_the_server(server, run):
+    async def scrape(http) -> dict[str, float]:
+        async with http.get(f"http://127.0.0.1:{server.port}/metrics") as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+            text = await r.text()
+        labels = f'{{run="{run}",server="{SERVER_ID}"}}'
+        return {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines() if labels in line}
+
+    async with InferenceClient([server.base_url]) as client, aiohttp.ClientSession() as http:
+        before = await scrape(http)
+        await client.completions([65, 66], n=2, max_tokens=7, extra_body={"ignore_eos": True})
+        after = await scrape(http)
+    assert after["rlbus_inference_generated_tokens_total"] - before["rlbus_inference_generated_tokens_total"] == 14
+    assert after["rlbus_inference_queued_requests"] == 0 and after["rlbus_inference_running_sequences"] == 0
+    assert "rlbus_inference_policy_version" in after and after["rlbus_inference_decode_steps_total"] > 0

@@ -1,9 +1,13 @@
-"""rlbus run's session without a whole run: config errors stop it before anything starts."""
+"""rlbus run's session without a whole run: config errors stop it before anything starts; its metrics port."""
 
+import socket
 import subprocess
 import sys
+import urllib.request
 
 from tests.paths import REPO
+from workers.config import RlbusConfig
+from workers.run.session import RunSession
 
 
 def run_fails(*flags: str) -> subprocess.CompletedProcess:
@@ -45,3 +49,22 @@ def test_a_teacher_folder_that_is_not_there_is_one_line_naming_the_fix(tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"teacher.path='{tmp_path / 'no_teacher'}' does not exist" in proc.stderr
     assert "rlbus init-model --out" in proc.stderr and not out.exists()
+
+
+def test_the_metrics_port_falls_back_to_a_free_one_when_taken_and_is_printed(tmp_path, redis_url, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = RlbusConfig.model_validate({"run": {"name": "ports", "output_dir": str(tmp_path)},
+                                             "exporter": {"port": port, "host": "127.0.0.1"}})
+        session = RunSession(config, resume=False, attach=False, grace_s=1, health_timeout_s=1)
+        session.start_exporter(redis_url)
+        try:
+            printed = capsys.readouterr().out
+            served = int(printed.split("http://127.0.0.1:")[1].split("/")[0])
+            assert served != port and printed.endswith("/metrics (Prometheus)\n")
+            with urllib.request.urlopen(f"http://127.0.0.1:{served}/metrics", timeout=10) as response:
+                assert 'rlbus_inflight_samples{run="ports"}' in response.read().decode()
+        finally:
+            session.exporter.stop()
