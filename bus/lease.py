@@ -9,7 +9,9 @@ holder means the lease is lost and the holder stops at once; so does Redis stayi
 pending entries the old holder left (the commit's ownership check and guards refuse any late write of the old one).
 
 A holder whose loop blocks for long stretches (the trainer, in a step or a checkpoint save) renews from a thread
-with its own connection instead (:meth:`Lease.keep_in_thread`), so a long step never looks like a dead holder.
+with its own connection instead (:meth:`Lease.keep_in_thread`), so a long step never looks like a dead holder; the
+thread renews only while the holder reports progress (:meth:`LeaseKeeper.progress`) within a bound, so a wedged
+holder (a hung collective, stuck storage) lets the lease lapse and a standby takes over.
 """
 
 import asyncio
@@ -88,11 +90,12 @@ class Lease:
                                  hint="it expired while Redis was away or this holder stalled; nobody took it")
         return bool(reply)
 
-    def keep_in_thread(self, url: str, password: str | None) -> "LeaseKeeper":
-        """Renew from a daemon thread over its own connection; check :meth:`LeaseKeeper.check` between steps. Each
-        renewal is one try (the thread retries every third of the TTL itself, up to ``redis.reconnect_timeout_s``)."""
+    def keep_in_thread(self, url: str, password: str | None, progress_timeout_s: float) -> "LeaseKeeper":
+        """Renew from a daemon thread over its own connection while :meth:`LeaseKeeper.progress` was called within
+        ``progress_timeout_s``; call :meth:`LeaseKeeper.check` between steps. Each renewal is one try (the thread
+        retries every third of the TTL itself, up to ``redis.reconnect_timeout_s``)."""
         client = sync_client(url, password=password, socket_timeout=self.ttl_ms / 3000, retry=Retry(NoBackoff(), 0))
-        keeper = LeaseKeeper(self, client)
+        keeper = LeaseKeeper(self, client, progress_timeout_s)
         keeper.start()
         return keeper
 
@@ -103,19 +106,37 @@ class Lease:
 
 class LeaseKeeper(threading.Thread):
     """The renewing thread of a :class:`Lease`: every third of the TTL, compare-and-expire (or take again, see
-    :data:`_RENEW_LUA`); a lease another holder has, or that could not be renewed for ``redis.reconnect_timeout_s``
-    (Redis away), is lost for good."""
+    :data:`_RENEW_LUA`) while the holder made progress within ``progress_timeout_s``; a lease another holder has, or
+    that could not be renewed for ``redis.reconnect_timeout_s`` (Redis away), is lost for good."""
 
-    def __init__(self, lease: Lease, client: redis.Redis):
+    def __init__(self, lease: Lease, client: redis.Redis, progress_timeout_s: float):
         super().__init__(name=f"lease-{lease.key}", daemon=True)
-        self.lease, self.client = lease, client
+        self.lease, self.client, self.progress_timeout_s = lease, client, progress_timeout_s
         self.lost: str | None = None
         """Why the lease was lost (None while it is held)."""
+        self._progressed_at = time.monotonic()
+        self._lapsed = False
         self._closing = threading.Event()
+
+    def progress(self) -> None:
+        """The holder's loop moved on: renewing goes on for another ``progress_timeout_s``."""
+        self._progressed_at = time.monotonic()
+
+    def _stalled(self) -> bool:
+        """Whether the holder made no progress for ``progress_timeout_s`` (logged once per stall)."""
+        idle_s = time.monotonic() - self._progressed_at
+        stalled = idle_s > self.progress_timeout_s
+        if stalled and not self._lapsed:
+            self.lease.bus.log.warning("lease_lapsing", key=self.lease.key, idle_s=round(idle_s, 1),
+                                       hint="no progress within the bound: the lease is left to expire for a standby")
+        self._lapsed = stalled
+        return stalled
 
     def run(self) -> None:
         lease, failing_since = self.lease, None
         while not self._closing.wait(lease.ttl_ms / 3000):
+            if self._stalled():
+                continue
             try:
                 renewed = self.client.eval(_RENEW_LUA, 1, lease.key, lease.holder, lease.ttl_ms)
             except (RedisError, OSError) as e:

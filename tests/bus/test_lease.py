@@ -29,7 +29,7 @@ async def test_a_holder_rides_out_a_redis_outage_longer_than_its_ttl(tmp_path, r
             kept = asyncio.create_task(lease.keep())
             check = lambda: kept.result() if kept.done() else None  # noqa: E731
         else:
-            keeper = lease.keep_in_thread(url, None)
+            keeper = lease.keep_in_thread(url, None, progress_timeout_s=60)
             check = keeper.check
         server = await asyncio.to_thread(redis_outage, server, tmp_path, 3 * TTL_S)
         await asyncio.sleep(2 * TTL_S)  # back: the holder renews (re-takes the key that expired while Redis was away)

@@ -145,3 +145,41 @@ def test_a_trainer_rides_out_a_redis_outage_longer_than_its_lease(tmp_path, run_
             trainer.kill()
         client.close()
         server.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_wedged_holder_lets_its_lease_go_and_a_standby_takes_over(redis_url, bus, run_name):
+    """A trainer whose loop makes no progress (a hung collective, stuck storage) stops renewing its lease once
+    trainer.progress_timeout_s passes: a standby takes over, and the wedged one, awake again, publishes nothing."""
+    config = make_config(redis_url, run_name, "/tmp/unused", "/tmp/unused",
+                         trainer={"lease_ttl_s": 0.3, "progress_timeout_s": 0.5})
+    stop = asyncio.Event()
+    async with bus("a") as a, bus("b") as b:
+        wedged = TrainerTenure(a, config, DistContext())
+        assert await wedged.acquire(stop)
+        await wedged.claim(0)
+        standby = TrainerTenure(b, config, DistContext())
+        assert await asyncio.wait_for(standby.acquire(stop), 5)  # no check() from the wedged one meanwhile
+        await standby.claim(0)
+        with pytest.raises(LeaseLost, match="took over"):
+            await wedged.publish([(a.keys.policy(), PolicyVersion(role="trained", step=1))], step=1)
+        await standby.close()
+        wedged.keeper.close()
+
+
+@pytest.mark.asyncio
+async def test_a_holder_that_makes_progress_keeps_its_lease(redis_url, bus, run_name):
+    config = make_config(redis_url, run_name, "/tmp/unused", "/tmp/unused",
+                         trainer={"lease_ttl_s": 0.3, "progress_timeout_s": 0.5})
+    stop = asyncio.Event()
+    async with bus("a") as a, bus("b") as b:
+        working = TrainerTenure(a, config, DistContext())
+        assert await working.acquire(stop)
+        standby = asyncio.create_task(TrainerTenure(b, config, DistContext()).acquire(stop))
+        for _ in range(15):  # 1.5 s of steps, each well within the bound
+            working.check()
+            await asyncio.sleep(0.1)
+        assert not standby.done()
+        stop.set()
+        assert not await standby
+        await working.close()
