@@ -40,7 +40,6 @@ from workers.envs.base import Environment
 from workers.envs.registry import load_env
 from workers.lifecycle import die_with_parent, run_worker
 
-
 HUNG_FRACTION = 0.8
 """A spawned server bounds each call at this fraction of its handle's per-call timeout, so the caller hears
 ``CallTimeout`` (and the server is replaced) before its own timeout fires."""
