@@ -40,6 +40,9 @@ from workers.envs.base import Environment
 from workers.envs.registry import load_env
 from workers.lifecycle import die_with_parent, run_worker
 
+ARGS_VAR = "RLBUS_ENV_ARGS"
+"""Environment variable a spawned server reads its env's args from (JSON), so they (secrets, possibly) stay out of
+its command line."""
 HUNG_FRACTION = 0.8
 """A spawned server bounds each call at this fraction of its handle's per-call timeout, so the caller hears
 ``CallTimeout`` (and the server is replaced) before its own timeout fires."""
@@ -97,6 +100,7 @@ class EnvServer:
 
 def _env_config(config: RlbusConfig | None, args: argparse.Namespace) -> EnvConfig:
     if args.id:
+        args.args = args.args if args.args is not None else os.environ.get(ARGS_VAR, "{}")
         try:
             factory_args = json.loads(args.args)
         except json.JSONDecodeError as e:
@@ -119,7 +123,8 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlbus env", description="Serve one environment over ZeroMQ RPC.")
     parser.add_argument("--name", help="the [[env]] of the config to serve (with --id: its display name)")
     parser.add_argument("--id", help="env id without a config: built-in name or package.module:factory")
-    parser.add_argument("--args", default="{}", help="JSON object of factory keyword arguments (with --id)")
+    parser.add_argument("--args", default=None,
+                        help=f"JSON object of factory keyword arguments (with --id; default: ${ARGS_VAR} or {{}})")
     parser.add_argument("--max-turns", type=int, default=None, help="cap on model turns (default: the config's)")
     parser.add_argument("--bind", help="ZeroMQ address to bind (default: the env's address)")
     parser.add_argument("--call-timeout-s", type=float, default=None,
@@ -246,9 +251,9 @@ class EnvHandle:
         self.address = f"ipc://{self._tmp_dir}/{self.restarts}.sock"
         cfg = self.env_config
         argv = [sys.executable, "-m", "workers.cli", "env", "--id", cfg.id, "--name", self.name,
-                "--args", json.dumps(cfg.args), "--max-turns", str(cfg.max_turns), "--bind", self.address,
+                "--max-turns", str(cfg.max_turns), "--bind", self.address,
                 "--call-timeout-s", str(HUNG_FRACTION * self.timeout_s)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", ARGS_VAR: json.dumps(cfg.args)}
         preexec = die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None  # no env server outlives its owner
         self._process = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                              preexec_fn=preexec)

@@ -171,3 +171,16 @@ async def test_a_hung_call_is_bounded_its_server_replaced_and_its_neighbours_ans
         assert handle.restarts == 1 and handle.pid != first_pid
     finally:
         await handle.close()
+
+
+@pytest.mark.asyncio
+async def test_a_spawned_servers_args_stay_out_of_its_command_line():
+    """Env args may hold secrets (API keys of a remote env): `ps` on the host must not show them."""
+    handle = await EnvHandle.start(EnvConfig(id="reverse_text", args={"num_examples": 7}), timeout_s=10)
+    try:
+        with open(f"/proc/{handle.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert not any(b"num_examples" in arg for arg in argv), argv
+        assert (await handle.info())["size"] == 7  # the args still reached the env
+    finally:
+        await handle.close()
