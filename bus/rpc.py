@@ -136,8 +136,11 @@ class RpcServer:
     """
 
     def __init__(self, address: str, handlers: dict[str, Handler], *, call_timeout_s: float | None = None,
-                 on_hung: Callable[[str], None] | None = None):
+                 on_hung: Callable[[str], None] | None = None, max_message_bytes: int | None = None):
         self.address = address
+        self.max_message_bytes = max_message_bytes
+        """Largest inbound message (ZeroMQ ``MAXMSGSIZE``); a peer that sends a bigger one is disconnected
+        unanswered. None: no cap."""
         self.handlers = dict(handlers)
         self.call_timeout_s = call_timeout_s
         """Longest one call may run before it is answered ``CallTimeout`` (None: no bound)."""
@@ -153,6 +156,8 @@ class RpcServer:
         if self._socket is None:
             socket = _context().socket(zmq.ROUTER)
             socket.setsockopt(zmq.LINGER, 0)
+            if self.max_message_bytes is not None:
+                socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             try:
                 socket.bind(self.address)
             except zmq.ZMQError as e:

@@ -262,3 +262,17 @@ async def test_system_exit_in_user_code_fails_only_its_own_call():
         assert isinstance(results[0], RpcError) and "SystemExit" in str(results[0])
         assert results[1] == 2
         assert await client.call("add", a=2, b=2) == 4  # still serving
+
+
+@pytest.mark.asyncio
+async def test_a_message_over_the_cap_is_dropped_and_the_server_keeps_serving():
+    """Anyone who reaches the port cannot make the server take a 400 MiB frame: past max_message_bytes the peer
+    is dropped unanswered, and other clients are served."""
+    async with served_with(HANDLERS, max_message_bytes=2**20) as (server, client):
+        big = RpcClient(server.address, timeout_s=0.5)
+        try:
+            with pytest.raises(RpcTimeoutError):
+                await big.call("add", a=b"x" * 2 * 2**20, b=b"")
+        finally:
+            await big.close()
+        assert await client.call("add", a=1, b=2) == 3

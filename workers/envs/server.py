@@ -43,6 +43,9 @@ from workers.lifecycle import die_with_parent, run_worker
 ARGS_VAR = "RLBUS_ENV_ARGS"
 """Environment variable a spawned server reads its env's args from (JSON), so they (secrets, possibly) stay out of
 its command line."""
+MAX_MESSAGE_MB = 64
+"""Default cap on one inbound request (``rlbus env --max-message-mb``): a peer that sends a bigger one is
+disconnected unanswered, so no one who reaches the port can make the server take a huge frame."""
 HUNG_FRACTION = 0.8
 """A spawned server bounds each call at this fraction of its handle's per-call timeout, so the caller hears
 ``CallTimeout`` (and the server is replaced) before its own timeout fires."""
@@ -62,10 +65,12 @@ def build_env(env_config: EnvConfig) -> Environment:
 class EnvServer:
     """One environment behind an :class:`RpcServer` at ``address``."""
 
-    def __init__(self, env: Environment, address: str, name: str | None = None, call_timeout_s: float | None = None):
+    def __init__(self, env: Environment, address: str, name: str | None = None, call_timeout_s: float | None = None,
+                 max_message_mb: float = MAX_MESSAGE_MB):
         self.env = env
         self.name = name or env.name
-        self.server = RpcServer(address, call_timeout_s=call_timeout_s, on_hung=self._hung, handlers={
+        self.server = RpcServer(address, call_timeout_s=call_timeout_s, on_hung=self._hung,
+                                max_message_bytes=int(max_message_mb * 2**20), handlers={
             "info": lambda: {**env.info(), "name": self.name},
             "example": env.example,
             "initial": env.initial,
@@ -129,13 +134,16 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     parser.add_argument("--bind", help="ZeroMQ address to bind (default: the env's address)")
     parser.add_argument("--call-timeout-s", type=float, default=None,
                         help="fail a call still running after this long and exit to be replaced (default: no bound)")
+    parser.add_argument("--max-message-mb", type=float, default=MAX_MESSAGE_MB,
+                        help="largest request accepted; a peer sending a bigger one is disconnected (default: 64)")
     args = parser.parse_args(argv)
     env_config = _env_config(config, args)
     address = args.bind or env_config.address
     if not address:
         raise ConfigError(f"env {env_config.resolved_name!r} has no address; pass --bind tcp://127.0.0.1:5555 "
                           "or set address in its [[env]]")
-    server = EnvServer(build_env(env_config), address, env_config.resolved_name, args.call_timeout_s)
+    server = EnvServer(build_env(env_config), address, env_config.resolved_name, args.call_timeout_s,
+                       args.max_message_mb)
     return asyncio.run(run_worker(server))
 
 
