@@ -20,6 +20,7 @@ from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
+from bus.config import redact
 from bus.errors import ConfigError
 
 SENTINEL_SCHEME = "redis+sentinel"
@@ -37,21 +38,21 @@ class SentinelAddress:
 def parse_sentinel_url(url: str) -> SentinelAddress:
     """The sentinels, primary name and db of a ``redis+sentinel://`` URL; ConfigError naming the fix otherwise."""
     form = f"{SENTINEL_SCHEME}://HOST:PORT[,HOST:PORT...]/PRIMARY[/DB]"
-    parts = urlsplit(url)
+    parts, shown = urlsplit(url), redact(url)
     if parts.query:
-        raise ConfigError(f"redis.url={url!r}: a Sentinel URL takes no options (TLS to a Sentinel-managed primary is "
-                          "not supported); remove ?{parts.query}")
+        raise ConfigError(f"redis.url={shown!r}: a Sentinel URL takes no options (TLS to a Sentinel-managed primary is "
+                          f"not supported); remove ?{urlsplit(shown).query}")
     if "@" in parts.netloc:
-        raise ConfigError(f"redis.url={url!r}: a Sentinel URL carries no password; set redis.password_var instead")
+        raise ConfigError(f"redis.url={shown!r}: a Sentinel URL carries no password; set redis.password_var instead")
     sentinels = []
     for address in filter(None, parts.netloc.split(",")):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigError(f"redis.url={url!r}: sentinel {address!r} is not HOST:PORT; write {form}")
+            raise ConfigError(f"redis.url={shown!r}: sentinel {address!r} is not HOST:PORT; write {form}")
         sentinels.append((host.strip("[]"), int(port)))
     path = [p for p in parts.path.split("/") if p]
     if not sentinels or not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):
-        raise ConfigError(f"redis.url={url!r} is not a Sentinel URL; write {form}")
+        raise ConfigError(f"redis.url={shown!r} is not a Sentinel URL; write {form}")
     return SentinelAddress(sentinels, path[0], int(path[1]) if len(path) == 2 else 0)
 
 

@@ -1,12 +1,17 @@
-"""The atomic commit as one Lua script: it writes only while this consumer still owns what it acks.
+"""The atomic commit as one Lua script: it writes only while this consumer still owns what it acks, and once.
 
 A stage acks its inputs and publishes its outputs in one step. Between its read and its commit
-another consumer may have reclaimed an input (this one was stalled past ``claim_idle_ms``), or a
-lost reply may have made it retry a commit that already went through. Either way the inputs are no
-longer pending for this consumer, so the script checks that first, inside Redis and in the same
-atomic step as the writes (a read-then-write from Python would race): for each ack,
-``XPENDING key group id id 1 consumer`` must list the entry. Then the optional guard (a state-hash
-field must hold an expected value), then XACK, XADD and the extra commands.
+another consumer may have reclaimed an input (this one was stalled past ``claim_idle_ms``), so the
+script checks that first, inside Redis and in the same atomic step as the writes (a read-then-write
+from Python would race): for each ack, ``XPENDING key group id id 1 consumer`` must list the entry.
+Then the optional guard (a state-hash field must hold an expected value), then XACK, XADD and the
+extra commands.
+
+Each commit carries a random id. When its reply is lost (the connection drops after Redis ran it),
+redis-py re-sends the very same script call; the first run left a record ``commit:{id}`` holding its
+reply, so the re-send returns that reply and writes nothing: a commit without acks is not applied
+twice, a guarded one is not refused by its own first run, and a stage's is not mistaken for a
+reclaimed input. The record lives :func:`record_ttl_ms`, longer than redis-py retries.
 
 The extra commands are recorded from the same redis-py calls a pipeline takes
 (``extra(commands)`` calls ``commands.hincrby(...)``); their first argument is a key of the run.
@@ -22,7 +27,9 @@ from bus.errors import RlbusError
 from bus.resp import RespArgs
 
 COMMIT_LUA = """
-local consumer, i = ARGV[1], 2
+local done = redis.call('GET', KEYS[1])
+if done then return cjson.decode(done) end
+local consumer, ttl, i = ARGV[1], ARGV[2], 3
 local function key() local k = KEYS[tonumber(ARGV[i])]; i = i + 1; return k end
 local function arg() local a = ARGV[i]; i = i + 1; return a end
 local acks = {}
@@ -55,11 +62,23 @@ for _ = 1, tonumber(arg()) do
   for _ = 3, n do cmd[#cmd + 1] = arg() end
   redis.call(unpack(cmd))
 end
+redis.call('SET', KEYS[1], cjson.encode(ids), 'PX', ttl)
 return ids
 """
-"""ARGV: consumer, then the acks (count; key index, group, id each), the guard (flag; key index, field,
+"""KEYS[1]: this commit's record (its reply once it ran; the script returns that reply when the record exists).
+ARGV: consumer, the record's TTL (ms), then the acks (count; key index, group, id each), the guard (flag; key index, field,
 present flag, expected), the XADDs (count; key index, maxlen (0: none), pair count, fields and values each) and the
-extra commands (count; argument count, name, key index, the other arguments each). KEYS: every key touched."""
+extra commands (count; argument count, name, key index, the other arguments each). KEYS: the record, then every key
+touched."""
+
+RECORD_MARGIN_S = 60.0
+"""How long a commit's record outlives redis-py's retry window (``redis.reconnect_timeout_s``): the tries themselves
+and their connects take time beyond the backoff waits."""
+
+
+def record_ttl_ms(reconnect_timeout_s: float) -> int:
+    """How long a commit's record stays: past the last moment redis-py may re-send the commit."""
+    return int((reconnect_timeout_s + RECORD_MARGIN_S) * 1000)
 
 RENEW_LUA = """
 local lost = {}
@@ -82,8 +101,8 @@ class CommitConflict(RlbusError):
 
 
 class NotOwned(CommitConflict):
-    """An input of the commit is no longer pending for this consumer (reclaimed by another, or this very commit
-    already went through before its reply was lost); nothing was written."""
+    """An input of the commit is no longer pending for this consumer (reclaimed by another, or acked by an earlier
+    commit of this consumer); nothing was written."""
 
 
 class CommandRecorder(CoreCommands):
@@ -113,6 +132,7 @@ class CommitArgs:
 
 
 def commit_args(
+    record: tuple[str, int],
     consumer: str,
     acks: list[tuple[str, str, str]],
     outputs: list[tuple[str, RespArgs]],
@@ -120,10 +140,13 @@ def commit_args(
     extra: Callable[[CommandRecorder], None] | None,
     guard: tuple[str, str, str | None] | None,
 ) -> CommitArgs:
-    """Encode one commit for :data:`COMMIT_LUA` (``outputs``: stream and the entry's fields and values as
-    :class:`~bus.resp.RespArgs`; ``maxlen(stream)``: its MAXLEN, None for none)."""
+    """Encode one commit for :data:`COMMIT_LUA` (``record``: the key of its record and that record's TTL in ms;
+    ``outputs``: stream and the entry's fields and values as :class:`~bus.resp.RespArgs`; ``maxlen(stream)``: its
+    MAXLEN, None for none)."""
     args = CommitArgs(consumer)
-    argv = [consumer, len(acks)]
+    record_key, ttl_ms = record
+    args.key(record_key)
+    argv = [consumer, ttl_ms, len(acks)]
     for stream, group, entry_id in acks:
         argv += [args.key(stream), group, entry_id]
     if guard is None:

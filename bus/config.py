@@ -6,7 +6,7 @@ nothing above it; ``workers.config.RlbusConfig`` composes them with every other 
 
 import os
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_serializer
 
@@ -14,16 +14,23 @@ from bus.errors import ConfigError
 
 
 def split_password(url: str) -> tuple[str, str | None]:
-    """``url`` without its password, and the password (None when it has none)."""
+    """``url`` without its password (in the user part or a ``?password=`` option), and that password decoded from
+    its percent-encoding as redis-py reads it (None when it has none)."""
     parts = urlsplit(url)
-    if parts.password is None:
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    password = next((value for name, value in query if name == "password"), None)
+    if parts.password is not None:
+        password = unquote(parts.password)
+        user = parts.username or ""
+        host = parts.hostname or ""
+        netloc = f"{user}@{host}" if user else host
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        parts = parts._replace(netloc=netloc)
+    if password is None:
         return url, None
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}@{host}" if user else host
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc)), parts.password
+    kept = "&".join(item for item in parts.query.split("&") if item and item.split("=", 1)[0] != "password")
+    return urlunsplit(parts._replace(query=kept)), password
 
 
 def redis_password(cfg: "RedisConfig") -> str | None:
@@ -37,13 +44,16 @@ def redis_password(cfg: "RedisConfig") -> str | None:
 
 
 def redact(url: str | None) -> str | None:
-    """``url`` with its password (if any) shown as ``***``: what may be printed, logged or saved."""
+    """``url`` with its password (in the user part or a ``?password=`` option) shown as ``***``: what may be
+    printed, logged or saved."""
     if url is None:
         return None
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
+    if parts.password is not None:
+        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+    query = "&".join("password=***" if item.split("=", 1)[0] == "password" else item
+                     for item in parts.query.split("&")) if parts.query else parts.query
+    return urlunsplit(parts._replace(query=query))
 
 
 class Section(BaseModel):

@@ -78,6 +78,11 @@ class Keys:
         packer (packed or dropped as stale), so a second group for it is dropped."""
         return f"{self.prefix}packed:{env}:{epoch}"
 
+    def commit(self, commit_id: str) -> str:
+        """String key (TTL): the reply of one commit that ran, so a re-send of it (its reply was lost) returns that
+        reply instead of writing again (:mod:`bus.commit`)."""
+        return f"{self.prefix}commit:{commit_id}"
+
     def state(self) -> str:
         """Hash of small counters and cursors (feeder cursor, in-flight count, last packed step)."""
         return f"{self.prefix}state"

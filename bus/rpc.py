@@ -10,6 +10,12 @@ Frames on the wire (after ZeroMQ's routing identity on the server side):
   and each slower one with its own reply. A server that predates batches answers ``err`` to the
   batch id; the client then sends that batch's calls one by one, and every call after it.
 
+Handlers run off the server's event loop: a synchronous one in a thread of the server's pool, so user
+code that is slow or never returns does not hold up the other calls (a batch is answered with the
+calls done within :data:`BATCH_WAIT_S`, each later one on its own). ``call_timeout_s`` bounds a call:
+past it the call is answered ``CallTimeout`` and ``on_hung(method)`` is told (an env server exits, to be
+replaced). A ``SystemExit`` or ``KeyboardInterrupt`` raised by a handler fails that call only.
+
 Request ids let one client carry many concurrent calls; each call waits for its own reply up to
 its timeout. A handler that raises sends the error back; the caller raises ``RpcError`` with the
 handler's error type and message. No reply in time (peer gone, never started, hung) raises
@@ -19,7 +25,9 @@ handler's error type and message. No reply in time (peer gone, never started, hu
 import asyncio
 import inspect
 import itertools
+import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -35,6 +43,84 @@ _ERR = b"err"
 _BATCH = b"rpc.batch"
 """The method name of a batch request (no handler may have it)."""
 _BATCH_REPLY = b"batch"
+BATCH_WAIT_S = 0.002
+"""How long a batch's reply waits for its calls (run in threads) before answering the ones done; each later
+call is answered on its own."""
+HANDLER_THREADS = 8
+"""Threads of a server's pool for synchronous handlers (one hung call holds one until the server is replaced)."""
+
+
+class CallTimeout(RpcError):
+    """A handler did not return within the server's ``call_timeout_s``."""
+
+
+class HandlerExit(RpcError):
+    """A handler raised ``SystemExit`` or ``KeyboardInterrupt``: its call fails, the server goes on."""
+
+
+def _run_sync(handler: Handler, kwargs: dict) -> Any:
+    """``handler(**kwargs)`` (in a pool thread); an exit it raises becomes :class:`HandlerExit`."""
+    try:
+        return handler(**kwargs)
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise HandlerExit(f"{type(e).__name__}({e}) raised by the handler") from None
+
+
+def _error(e: BaseException) -> tuple[bytes, bytes]:
+    return _ERR, f"{type(e).__name__}: {e}".encode()
+
+
+def _outcome(call: Callable[[], Any]) -> Any:
+    """(status, body) of ``call()``, or the awaitable it returned (for the loop to run)."""
+    try:
+        result = call()
+        return result if inspect.isawaitable(result) else (_OK, packb(result))
+    except Exception as e:
+        return _error(e)
+
+
+_RUNNING = object()
+"""The outcome of a batch's call while its thread runs it."""
+
+
+class _SyncBatch:
+    """The synchronous calls of one batch (``(index, method, payload)``), run one after another by one pool thread;
+    the loop takes back the ones not started yet (:meth:`take_rest`) when the batch is slow."""
+
+    def __init__(self, server: "RpcServer", calls: list[tuple[int, bytes, bytes]]):
+        self.server, self.calls = server, calls
+        self.outcomes: list[Any] = [None] * len(calls)
+        """Per call: None (not started), :data:`_RUNNING`, then (status, body) or an awaitable."""
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        while (k := self._take()) is not None:
+            _, method, payload = self.calls[k]
+
+            def call(method=method, payload=payload):
+                handler, kwargs = self.server._resolve_call(method.decode("utf-8", "replace"), payload)
+                return _run_sync(handler, kwargs)
+
+            self.outcomes[k] = _outcome(call)
+
+    def _take(self) -> int | None:
+        with self._lock:
+            if self._next == len(self.calls):
+                return None
+            self._next += 1
+            self.outcomes[self._next - 1] = _RUNNING
+            return self._next - 1
+
+    def take_rest(self) -> list[tuple[int, bytes, bytes]]:
+        """The calls the thread has not started; it will not start them."""
+        with self._lock:
+            rest, self._next = self.calls[self._next:], len(self.calls)
+        return rest
+
+    def started(self) -> list[int]:
+        """Positions of the calls the thread started (after :meth:`take_rest`)."""
+        return [k for k, outcome in enumerate(self.outcomes) if outcome is not None]
 
 
 def _context() -> zmq.asyncio.Context:
@@ -49,9 +135,17 @@ class RpcServer:
     (``tcp://127.0.0.1:0``); after :meth:`bind` it holds the real endpoint.
     """
 
-    def __init__(self, address: str, handlers: dict[str, Handler]):
+    def __init__(self, address: str, handlers: dict[str, Handler], *, call_timeout_s: float | None = None,
+                 on_hung: Callable[[str], None] | None = None, max_message_bytes: int | None = None):
         self.address = address
+        self.max_message_bytes = max_message_bytes
+        """Largest inbound message (ZeroMQ ``MAXMSGSIZE``); a peer that sends a bigger one is disconnected
+        unanswered. None: no cap."""
         self.handlers = dict(handlers)
+        self.call_timeout_s = call_timeout_s
+        """Longest one call may run before it is answered ``CallTimeout`` (None: no bound)."""
+        self.on_hung = on_hung
+        self._pool = ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="rpc-handler")
         self._socket: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
@@ -62,6 +156,8 @@ class RpcServer:
         if self._socket is None:
             socket = _context().socket(zmq.ROUTER)
             socket.setsockopt(zmq.LINGER, 0)
+            if self.max_message_bytes is not None:
+                socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             try:
                 socket.bind(self.address)
             except zmq.ZMQError as e:
@@ -95,6 +191,7 @@ class RpcServer:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _receive_loop(self) -> None:
         assert self._socket is not None
@@ -112,24 +209,57 @@ class RpcServer:
         await self._send([identity, request_id, status, body])
 
     async def _answer_batch(self, identity: bytes, batch_id: bytes, _method: bytes, payload: bytes) -> None:
-        """One reply for the batch's calls that finish within one loop tick; the others answer on their own."""
+        """One reply for the batch's calls done within :data:`BATCH_WAIT_S`; the others answer on their own. The
+        synchronous calls run one after another in one pool thread (one hand-off for all); when that takes longer,
+        the calls it has not started yet are taken back and run each on its own."""
         try:
             calls = _batch_items(unpackb(payload))
         except DecodeError as e:
             await self._send([identity, batch_id, _ERR, f"DecodeError: {e}".encode()])
             return
-        replies = [(request_id, asyncio.ensure_future(self._reply(method, body))) for request_id, method, body in calls]
+        sync = [self._is_sync(method) for _, method, _ in calls]
+        replies = {i: asyncio.ensure_future(self._reply(method, body))
+                   for i, (_, method, body) in enumerate(calls) if not sync[i]}
+        batch = _SyncBatch(self, [(i, method, body) for i, (_, method, body) in enumerate(calls) if sync[i]])
+        job = asyncio.get_running_loop().run_in_executor(self._pool, batch.run) if batch.calls else None
         try:
-            if replies:
-                await asyncio.wait([reply for _, reply in replies], timeout=0)
-            done = [[request_id, *reply.result()] for request_id, reply in replies if reply.done()]
-            late = [(request_id, reply) for request_id, reply in replies if not reply.done()]
-            await self._send([identity, batch_id, _BATCH_REPLY, packb(done)])
+            await asyncio.wait([*replies.values(), *([job] if job else [])], timeout=BATCH_WAIT_S)
+            for i, method, body in batch.take_rest():
+                replies[i] = asyncio.ensure_future(self._reply(method, body))
+            ready = {i: reply.result() for i, reply in replies.items() if reply.done()}
+            for k in batch.started():
+                i, method, _ = batch.calls[k]
+                if isinstance(batch.outcomes[k], tuple):
+                    ready[i] = batch.outcomes[k]
+                else:
+                    replies[i] = asyncio.ensure_future(self._finish(batch, k, job))
+            await self._send([identity, batch_id, _BATCH_REPLY, packb([[calls[i][0], *r] for i, r in ready.items()])])
+            late = [(calls[i][0], reply) for i, reply in replies.items() if i not in ready]
             await asyncio.gather(*(self._answer_late(identity, request_id, reply) for request_id, reply in late))
         except asyncio.CancelledError:
-            for _, reply in replies:
+            for reply in replies.values():
                 reply.cancel()
             raise
+
+    def _is_sync(self, method: bytes) -> bool:
+        handler = self.handlers.get(method.decode("utf-8", "replace"))
+        return handler is not None and not inspect.iscoroutinefunction(handler)
+
+    async def _finish(self, batch: "_SyncBatch", k: int, job: asyncio.Future) -> tuple[bytes, bytes]:
+        """(status, body) of call ``k`` of ``batch``: still running in the batch's thread (awaited within
+        ``call_timeout_s``), or one that returned an awaitable."""
+        method = batch.calls[k][1].decode("utf-8", "replace")
+        if batch.outcomes[k] is _RUNNING:
+            bound = asyncio.timeout(self.call_timeout_s)
+            try:
+                async with bound:
+                    await asyncio.shield(job)
+            except TimeoutError:
+                if bound.expired():
+                    return self._timed_out(method)
+                raise
+        outcome = batch.outcomes[k]
+        return outcome if isinstance(outcome, tuple) else await self._bounded(method, outcome)
 
     async def _answer_late(self, identity: bytes, request_id: bytes, reply: asyncio.Future) -> None:
         status, body = await reply
@@ -137,28 +267,57 @@ class RpcServer:
 
     async def _reply(self, method: bytes, payload: bytes) -> tuple[bytes, bytes]:
         """(status, body) of one call: the packed result, or the handler's error as ``Type: message``."""
+        name = method.decode("utf-8", "replace")
         try:
-            return _OK, packb(await self._dispatch(method.decode("utf-8", "replace"), payload))
+            handler, kwargs = self._resolve_call(name, payload)
+        except Exception as e:
+            return _error(e)
+        if inspect.iscoroutinefunction(handler):
+            return await self._bounded(name, handler(**kwargs))
+        return await self._bounded(name, asyncio.get_running_loop().run_in_executor(
+            self._pool, _run_sync, handler, kwargs))
+
+    async def _bounded(self, method: str, work: Awaitable) -> tuple[bytes, bytes]:
+        """(status, body) of awaiting ``work`` (a handler's coroutine, or its run in a pool thread, which may return
+        a coroutine to run here) within ``call_timeout_s``."""
+        bound = asyncio.timeout(self.call_timeout_s)
+        try:
+            async with bound:
+                result = await work
+                while inspect.isawaitable(result):  # a synchronous handler that returned a coroutine
+                    result = await result
         except asyncio.CancelledError:
             raise
+        except TimeoutError as e:
+            return self._timed_out(method) if bound.expired() else _error(e)
+        except (SystemExit, KeyboardInterrupt) as e:
+            return _error(HandlerExit(f"{type(e).__name__}({e}) raised by the handler"))
         except Exception as e:
-            return _ERR, f"{type(e).__name__}: {e}".encode()
+            return _error(e)
+        try:
+            return _OK, packb(result)
+        except Exception as e:
+            return _error(e)
 
     async def _send(self, frames: list[bytes]) -> None:
         if self._socket is not None:
             await self._socket.send_multipart(frames)
 
-    async def _dispatch(self, method: str, payload: bytes) -> Any:
+    def _timed_out(self, method: str) -> tuple[bytes, bytes]:
+        if self.on_hung is not None:
+            self.on_hung(method)
+        return _error(CallTimeout(f"{method!r} did not return within {self.call_timeout_s:g}s"))
+
+    def _resolve_call(self, method: str, payload: bytes) -> tuple[Handler, dict]:
+        """The handler of ``method`` and its keyword arguments (RpcError/DecodeError when there is none/they
+        are malformed)."""
         handler = self.handlers.get(method)
         if handler is None:
             raise RpcError(f"unknown method {method!r}; this server answers {sorted(self.handlers)}")
         kwargs = unpackb(payload)
         if not isinstance(kwargs, dict):
             raise DecodeError(f"arguments of {method!r} must be a map, got {type(kwargs).__name__}")
-        result = handler(**kwargs)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
+        return handler, kwargs
 
 
 def _batch_items(items: Any) -> list[tuple[bytes, bytes, bytes]]:

@@ -10,6 +10,7 @@ decoded, or were delivered more than ``max_deliveries`` times, go to the run's `
 """
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bus.clients import async_client
 from bus.codec import Message
-from bus.commit import COMMIT_LUA, RENEW_LUA, CommandRecorder, CommitConflict, NotOwned, commit_args
+from bus.commit import (
+    COMMIT_LUA,
+    RENEW_LUA,
+    CommandRecorder,
+    CommitConflict,
+    NotOwned,
+    commit_args,
+    record_ttl_ms,
+)
 from bus.config import RedisConfig, redact, redis_password
 from bus.entries import Entry, cut, oversize_reason
 from bus.errors import DecodeError, RlbusError
@@ -323,10 +332,12 @@ class Bus(FanoutReads, GroupUpkeep):
         (another consumer reclaimed it, or a retry of a commit that went through). ``guard=(hash_key, field,
         expected)``: only while HGET equals ``expected`` (None = field absent), else :class:`CommitConflict`.
         Both checks run inside Redis in the same script as the writes; on either, nothing is written.
-        Returns the ids of the outputs. The commit runs to its end even if the caller is cancelled.
+        Returns the ids of the outputs. The commit runs to its end even if the caller is cancelled, and once: a
+        re-send by redis-py after a lost reply returns the first run's ids.
         """
         encoded = [(stream, message.entry_args()) for stream, message in outputs]
-        args = commit_args(self.worker, acks, encoded, self._maxlen, extra, guard)
+        record = (self.keys.commit(uuid.uuid4().hex), record_ttl_ms(self.cfg.reconnect_timeout_s))
+        args = commit_args(record, self.worker, acks, encoded, self._maxlen, extra, guard)
         return await asyncio.shield(self._commit(args.keys, args.argv, guard))
 
     async def _commit(self, keys: list[str], argv: list, guard) -> list[str]:
@@ -340,7 +351,7 @@ class Bus(FanoutReads, GroupUpkeep):
         status = as_str(reply[0])
         if status == "not_owned":
             raise NotOwned(f"{as_str(reply[1])} entry {as_str(reply[2])} is no longer pending for {self.worker} "
-                           f"(another consumer reclaimed it, or this commit already went through); nothing was written")
+                           f"(another consumer reclaimed it, or an earlier commit acked it); nothing was written")
         if status == "conflict":
             raise CommitConflict(f"{as_str(reply[1])} {as_str(reply[2])} is {reply[3]!r}, expected {guard[2]!r}")
         if replicas is not None:

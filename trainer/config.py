@@ -148,6 +148,12 @@ class TrainerConfig(Section):
     trainer waits as a standby and resumes from the newest checkpoint within this long of the first one dying (a
     clean stop hands over at once)."""
 
+    progress_timeout_s: float = Field(1800.0, gt=0)
+    """Longest the trainer's loop may go without progress (one step with its weights publication and checkpoint
+    save, or one wait for the next batch) and still renew its lease. Past it the lease lapses, so a wedged trainer
+    (a hung collective, stuck storage) hands the run to a standby within ``lease_ttl_s``; awake again, it publishes
+    nothing once the standby has taken over. Set it above the longest step plus save."""
+
     keep_batches: int = Field(8, ge=0)
     """Trained ``batches:{s}`` streams kept in Redis: the trainer deletes ``batches:{s}`` once it is this many
     steps old and a checkpoint covers it (a restarted trainer never reads it again), so Redis does not grow with

@@ -1,9 +1,10 @@
 """The trainer's tenure: one trainer (one data-parallel group) trains a run at a time; others wait as standbys.
 
 Rank 0 holds ``lease:trainer`` (renewed from a thread, so a long step or checkpoint save never looks like a dead
-trainer); the other ranks of its group wait until their rank 0 holds it. A standby loads its model, then waits;
-when the holder dies its lease expires and the standby resumes from the newest checkpoint, as a restarted trainer
-would. Every publication of the holder (weights events, ``trained``) is a commit guarded on the state field
+trainer, but only while the loop calls :meth:`TrainerTenure.check` within ``trainer.progress_timeout_s``, so a
+wedged one lets it lapse); the other ranks of its group wait until their rank 0 holds it. A standby loads its
+model, then waits; when the holder dies its lease expires and the standby resumes from the newest checkpoint, as a
+restarted trainer would. Every publication of the holder (weights events, ``trained``) is a commit guarded on the state field
 :data:`bus.state.TRAINER_FIELD` (``{holder}@{step}``) it last wrote, which makes two things refuse the write:
 
 - another trainer took over meanwhile (this one was stalled past the lease): the field names someone else;
@@ -56,7 +57,8 @@ class TrainerTenure:
         if self.ctx.is_main:
             if not await self.lease.acquire(stop):
                 return False
-            self.keeper = self.lease.keep_in_thread(self.config.redis.url, redis_password(self.config.redis))
+            self.keeper = self.lease.keep_in_thread(self.config.redis.url, redis_password(self.config.redis),
+                                                    self.config.trainer.progress_timeout_s)
             return True
         while not stop.is_set():
             if as_str(await self.bus.redis.get(self.lease.key) or b"") == self.holder:
@@ -85,8 +87,10 @@ class TrainerTenure:
         self.published = step
 
     def check(self) -> None:
-        """Raise :class:`LeaseLost` once the lease is lost (rank 0; other ranks follow their rank 0)."""
+        """Mark progress (the lease is renewed only while this is called within ``trainer.progress_timeout_s``);
+        raise :class:`LeaseLost` once the lease is lost (rank 0; other ranks follow their rank 0)."""
         if self.keeper is not None:
+            self.keeper.progress()
             self.keeper.check()
 
     async def publish(self, outputs: list[tuple[str, Message]], step: int | None = None) -> list[str]:

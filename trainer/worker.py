@@ -259,6 +259,7 @@ class TrainerWorker:
         while count is None or len(got) < count:
             if self._stop.is_set():
                 return None
+            self.tenure.check()  # waiting for the packer is progress (trainer.progress_timeout_s)
             entries = await self.bus.read_fanout(stream, last_id, count=1000, block_ms=self.config.redis.block_ms,
                                                  replicated=True)  # a failover cannot take back what it trained on
             if not entries and count is None and await self._data_exhausted_before(step):

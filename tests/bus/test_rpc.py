@@ -1,6 +1,8 @@
 """ZeroMQ RPC: round trip, concurrency, remote errors, timeouts and dead peers."""
 
 import asyncio
+import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -31,7 +33,13 @@ HANDLERS = {
 
 @asynccontextmanager
 async def served(address="tcp://127.0.0.1:0"):
-    server = RpcServer(address, HANDLERS)
+    async with served_with(HANDLERS, address) as pair:
+        yield pair
+
+
+@asynccontextmanager
+async def served_with(handlers, address="tcp://127.0.0.1:0", **options):
+    server = RpcServer(address, handlers, **options)
     server.bind()
     task = asyncio.ensure_future(server.serve())
     client = RpcClient(server.address, timeout_s=2.0)
@@ -207,3 +215,64 @@ def test_malformed_batch_is_answered_with_an_error_and_the_server_keeps_serving(
             assert await client.call("add", a=1, b=1) == 2
 
     asyncio.run(main())
+
+
+@pytest.mark.asyncio
+async def test_a_hung_sync_handler_is_bounded_and_the_server_keeps_answering():
+    """User code that never returns runs off the server's event loop: its neighbours are answered, the call fails
+    once past call_timeout_s, and the server reports it hung (an env server then exits to be replaced)."""
+    release, hung = threading.Event(), []
+    server = RpcServer("tcp://127.0.0.1:0", {**HANDLERS, "hang": lambda: release.wait(30)},
+                       call_timeout_s=0.5, on_hung=hung.append)
+    server.bind()
+    serving = asyncio.ensure_future(server.serve())
+    client = RpcClient(server.address, timeout_s=3.0)
+    try:
+        stuck = asyncio.ensure_future(client.call("hang"))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        assert await client.call("add", a=1, b=2) == 3
+        assert time.monotonic() - started < 0.4
+        with pytest.raises(RpcError, match="CallTimeout: 'hang' did not return within 0.5s"):
+            await stuck
+        assert hung == ["hang"]
+    finally:
+        release.set()
+        await client.close()
+        await server.close()
+        await serving
+
+
+@pytest.mark.asyncio
+async def test_a_slow_sync_call_in_a_batch_does_not_hold_up_its_neighbours():
+    handlers = {**HANDLERS, "nap": lambda s: time.sleep(s) or "rested"}
+    async with served_with(handlers) as (_, client):
+        slow = asyncio.ensure_future(client.call("nap", s=1.0))
+        fast = asyncio.ensure_future(client.call("add", a=2, b=2))  # the same tick: one batch with the slow one
+        started = time.monotonic()
+        assert await fast == 4
+        assert time.monotonic() - started < 0.5 and not slow.done()
+        assert await slow == "rested"
+
+
+@pytest.mark.asyncio
+async def test_system_exit_in_user_code_fails_only_its_own_call():
+    async with served_with({**HANDLERS, "quit": lambda: sys.exit(3)}) as (_, client):
+        results = await asyncio.gather(client.call("quit"), client.call("add", a=1, b=1), return_exceptions=True)
+        assert isinstance(results[0], RpcError) and "SystemExit" in str(results[0])
+        assert results[1] == 2
+        assert await client.call("add", a=2, b=2) == 4  # still serving
+
+
+@pytest.mark.asyncio
+async def test_a_message_over_the_cap_is_dropped_and_the_server_keeps_serving():
+    """Anyone who reaches the port cannot make the server take a 400 MiB frame: past max_message_bytes the peer
+    is dropped unanswered, and other clients are served."""
+    async with served_with(HANDLERS, max_message_bytes=2**20) as (server, client):
+        big = RpcClient(server.address, timeout_s=0.5)
+        try:
+            with pytest.raises(RpcTimeoutError):
+                await big.call("add", a=b"x" * 2 * 2**20, b=b"")
+        finally:
+            await big.close()
+        assert await client.call("add", a=1, b=2) == 3

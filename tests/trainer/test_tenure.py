@@ -8,14 +8,19 @@ import sys
 import time
 
 import pytest
+import redis
 
+from bus.config import RedisConfig
 from bus.errors import ConfigError, RlbusError
 from bus.keys import Keys
 from bus.lease import LeaseLost
+from bus.local_redis import LocalRedis
 from bus.messages import PolicyVersion
 from bus.state import TRAINER_FIELD
+from bus.streams import Bus
+from tests.outages import redis_outage
 from tests.paths import REPO
-from tests.trainer.helpers import save_tiny_model
+from tests.trainer.helpers import save_tiny_model, step_batches
 from tests.trainer.test_worker import make_config, publish_steps, stream, train
 from trainer.dist import DistContext
 from trainer.tenure import TrainerTenure
@@ -107,3 +112,74 @@ def test_a_checkpoint_newer_than_the_redis_it_resumes_onto_stops_the_run(tmp_pat
     # resuming from a checkpoint Redis is not behind (step 2) is the documented way on
     train(make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": 2}, run={"max_steps": 3}))
     assert redis_client.hget(Keys(run_name).state(), TRAINER_FIELD).decode().endswith("@3")
+
+
+def test_a_trainer_rides_out_a_redis_outage_longer_than_its_lease(tmp_path, run_name):
+    """Redis away for four lease TTLs (within redis.reconnect_timeout_s) between two steps: the trainer keeps its
+    lease and trains on once Redis is back, instead of stopping after one TTL."""
+    server = LocalRedis(dir=tmp_path / "redis")
+    url = server.start()
+    model_dir = save_tiny_model(tmp_path / "model")
+    client = redis.Redis.from_url(url)
+
+    async def publish(steps):
+        b = await Bus.connect(url, run_name, RedisConfig(url=url), "packer")
+        for step in steps:
+            await b.publish_many(b.keys.batches(step), step_batches(step, 2))
+        await b.close()
+
+    asyncio.run(publish(range(1, 3)))
+    cfg_file = tmp_path / "trainer.toml"
+    cfg_file.write_text(dump_toml(make_config(url, run_name, tmp_path / "out", model_dir,
+                                              trainer={"lease_ttl_s": 1.0}).model_dump(mode="json")))
+    try:
+        with open(tmp_path / "trainer.log", "w") as log:
+            trainer = start_trainer(cfg_file, log)
+            wait_field(client, run_name, "@2")  # trained steps 1–2, waits for 3
+            server = redis_outage(server, tmp_path / "redis", 4.0)
+            asyncio.run(publish(range(3, 5)))
+            assert trainer.wait(timeout=90) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        assert client.hget(Keys(run_name).state(), TRAINER_FIELD).decode().endswith("@4")
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        client.close()
+        server.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_wedged_holder_lets_its_lease_go_and_a_standby_takes_over(redis_url, bus, run_name):
+    """A trainer whose loop makes no progress (a hung collective, stuck storage) stops renewing its lease once
+    trainer.progress_timeout_s passes: a standby takes over, and the wedged one, awake again, publishes nothing."""
+    config = make_config(redis_url, run_name, "/tmp/unused", "/tmp/unused",
+                         trainer={"lease_ttl_s": 0.3, "progress_timeout_s": 0.5})
+    stop = asyncio.Event()
+    async with bus("a") as a, bus("b") as b:
+        wedged = TrainerTenure(a, config, DistContext())
+        assert await wedged.acquire(stop)
+        await wedged.claim(0)
+        standby = TrainerTenure(b, config, DistContext())
+        assert await asyncio.wait_for(standby.acquire(stop), 5)  # no check() from the wedged one meanwhile
+        await standby.claim(0)
+        with pytest.raises(LeaseLost, match="took over"):
+            await wedged.publish([(a.keys.policy(), PolicyVersion(role="trained", step=1))], step=1)
+        await standby.close()
+        wedged.keeper.close()
+
+
+@pytest.mark.asyncio
+async def test_a_holder_that_makes_progress_keeps_its_lease(redis_url, bus, run_name):
+    config = make_config(redis_url, run_name, "/tmp/unused", "/tmp/unused",
+                         trainer={"lease_ttl_s": 0.3, "progress_timeout_s": 0.5})
+    stop = asyncio.Event()
+    async with bus("a") as a, bus("b") as b:
+        working = TrainerTenure(a, config, DistContext())
+        assert await working.acquire(stop)
+        standby = asyncio.create_task(TrainerTenure(b, config, DistContext()).acquire(stop))
+        for _ in range(15):  # 1.5 s of steps, each well within the bound
+            working.check()
+            await asyncio.sleep(0.1)
+        assert not standby.done()
+        stop.set()
+        assert not await standby
+        await working.close()

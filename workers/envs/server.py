@@ -14,6 +14,12 @@ Server: ``rlbus env @ run.toml --name ENV_NAME [--bind ADDR]`` serves the ``[[en
 Client: ``await EnvHandle.start(env_config, timeout_s)`` connects to ``env_config.address``, or
 (no address) spawns a server process on an ipc:// socket in a temp dir and owns it: a spawned
 server that dies is started again and the interrupted call retried once; ``close()`` stops it.
+
+User code runs off the server's event loop (:mod:`bus.rpc`), so a slow call holds up no other. A call
+that does not return within ``--call-timeout-s`` (a spawned server: :data:`HUNG_FRACTION` of the
+handle's per-call timeout, ``rollout.env_timeout_s``) fails with ``CallTimeout`` and the server exits
+(:data:`HUNG_EXIT_CODE`), since the stuck thread cannot be stopped: the handle starts a new one and the
+calls in flight on the old one are retried there.
 """
 
 import argparse
@@ -34,6 +40,20 @@ from workers.envs.base import Environment
 from workers.envs.registry import load_env
 from workers.lifecycle import die_with_parent, run_worker
 
+ARGS_VAR = "RLBUS_ENV_ARGS"
+"""Environment variable a spawned server reads its env's args from (JSON), so they (secrets, possibly) stay out of
+its command line."""
+MAX_MESSAGE_MB = 64
+"""Default cap on one inbound request (``rlbus env --max-message-mb``): a peer that sends a bigger one is
+disconnected unanswered, so no one who reaches the port can make the server take a huge frame."""
+HUNG_FRACTION = 0.8
+"""A spawned server bounds each call at this fraction of its handle's per-call timeout, so the caller hears
+``CallTimeout`` (and the server is replaced) before its own timeout fires."""
+HUNG_EXIT_CODE = 3
+"""Exit status of an env server that gave up on a hung call."""
+HUNG_EXIT_DELAY_S = 0.2
+"""How long a server that gave up on a hung call keeps going, so the ``CallTimeout`` reply goes out first."""
+
 
 def build_env(env_config: EnvConfig) -> Environment:
     """The environment of one ``[[env]]``; ``max_turns`` is capped by the config's."""
@@ -45,10 +65,12 @@ def build_env(env_config: EnvConfig) -> Environment:
 class EnvServer:
     """One environment behind an :class:`RpcServer` at ``address``."""
 
-    def __init__(self, env: Environment, address: str, name: str | None = None):
+    def __init__(self, env: Environment, address: str, name: str | None = None, call_timeout_s: float | None = None,
+                 max_message_mb: float = MAX_MESSAGE_MB):
         self.env = env
         self.name = name or env.name
-        self.server = RpcServer(address, {
+        self.server = RpcServer(address, call_timeout_s=call_timeout_s, on_hung=self._hung,
+                                max_message_bytes=int(max_message_mb * 2**20), handlers={
             "info": lambda: {**env.info(), "name": self.name},
             "example": env.example,
             "initial": env.initial,
@@ -57,6 +79,13 @@ class EnvServer:
             "score": env.score,
         })
         self.log = get_logger(worker="env", env=self.name)
+
+    def _hung(self, method: str) -> None:
+        """A call of ``method`` outlived the bound: its thread cannot be stopped, so this server exits to be
+        replaced (after the ``CallTimeout`` reply is sent)."""
+        self.log.error("env_call_hung", method=method, call_timeout_s=self.server.call_timeout_s,
+                       hint="the env's user code did not return; the server exits and its owner starts a new one")
+        asyncio.get_running_loop().call_later(HUNG_EXIT_DELAY_S, os._exit, HUNG_EXIT_CODE)
 
     async def setup(self) -> None:
         address = self.server.bind()
@@ -76,6 +105,7 @@ class EnvServer:
 
 def _env_config(config: RlbusConfig | None, args: argparse.Namespace) -> EnvConfig:
     if args.id:
+        args.args = args.args if args.args is not None else os.environ.get(ARGS_VAR, "{}")
         try:
             factory_args = json.loads(args.args)
         except json.JSONDecodeError as e:
@@ -98,16 +128,22 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlbus env", description="Serve one environment over ZeroMQ RPC.")
     parser.add_argument("--name", help="the [[env]] of the config to serve (with --id: its display name)")
     parser.add_argument("--id", help="env id without a config: built-in name or package.module:factory")
-    parser.add_argument("--args", default="{}", help="JSON object of factory keyword arguments (with --id)")
+    parser.add_argument("--args", default=None,
+                        help=f"JSON object of factory keyword arguments (with --id; default: ${ARGS_VAR} or {{}})")
     parser.add_argument("--max-turns", type=int, default=None, help="cap on model turns (default: the config's)")
     parser.add_argument("--bind", help="ZeroMQ address to bind (default: the env's address)")
+    parser.add_argument("--call-timeout-s", type=float, default=None,
+                        help="fail a call still running after this long and exit to be replaced (default: no bound)")
+    parser.add_argument("--max-message-mb", type=float, default=MAX_MESSAGE_MB,
+                        help="largest request accepted; a peer sending a bigger one is disconnected (default: 64)")
     args = parser.parse_args(argv)
     env_config = _env_config(config, args)
     address = args.bind or env_config.address
     if not address:
         raise ConfigError(f"env {env_config.resolved_name!r} has no address; pass --bind tcp://127.0.0.1:5555 "
                           "or set address in its [[env]]")
-    server = EnvServer(build_env(env_config), address, env_config.resolved_name)
+    server = EnvServer(build_env(env_config), address, env_config.resolved_name, args.call_timeout_s,
+                       args.max_message_mb)
     return asyncio.run(run_worker(server))
 
 
@@ -223,8 +259,9 @@ class EnvHandle:
         self.address = f"ipc://{self._tmp_dir}/{self.restarts}.sock"
         cfg = self.env_config
         argv = [sys.executable, "-m", "workers.cli", "env", "--id", cfg.id, "--name", self.name,
-                "--args", json.dumps(cfg.args), "--max-turns", str(cfg.max_turns), "--bind", self.address]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+                "--max-turns", str(cfg.max_turns), "--bind", self.address,
+                "--call-timeout-s", str(HUNG_FRACTION * self.timeout_s)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", ARGS_VAR: json.dumps(cfg.args)}
         preexec = die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None  # no env server outlives its owner
         self._process = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                              preexec_fn=preexec)

@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from bus.messages import Metric
-from workers.config import WandbConfig
+from workers.config import RlbusConfig, WandbConfig
+
+HIDDEN_ARGS = {"args"}
+"""Env fields never sent to W&B: an env's factory arguments may hold secrets (a remote env's API key)."""
 
 
 class MetricsWriter:
@@ -61,6 +64,13 @@ class MetricsWriter:
             finally:
                 self._wandb.finish()
                 self._wandb = None
+
+
+def wandb_config(config: RlbusConfig) -> dict[str, Any]:
+    """The config a W&B run records: the resolved config without env args (a Redis URL's password shows as ``***``,
+    as in every dump)."""
+    envs = {"__all__": HIDDEN_ARGS}
+    return config.model_dump(mode="json", exclude={"env": envs, "eval": {"env": envs}})
 
 
 def _start_wandb(cfg: WandbConfig, run_name: str, output_dir: Path, config: dict | None):

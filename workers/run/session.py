@@ -42,7 +42,7 @@ from workers.lifecycle import cancel_and_wait
 from workers.run.accounting import group_counts
 from workers.run.eval import EvalCoordinator
 from workers.run.hub import fetch_hub_model, is_hub_id
-from workers.run.metrics import MetricsWriter
+from workers.run.metrics import MetricsWriter, wandb_config
 from workers.run.report import bench_numbers, build_summary, summary_text, write_report, write_summary
 from workers.run.resolved import child_password, dump_toml, needs_teacher_server, resolve, torch_threads
 from workers.run.status import RunProbe, render
@@ -295,8 +295,7 @@ class RunSession:
 
     async def watch(self, bus: Bus, evaluator) -> int:
         probe = RunProbe(self.config, bus)
-        writer = MetricsWriter(self.output_dir, self.config.run.name, self.config.wandb,
-                               self.config.model_dump(mode="json"))
+        writer = MetricsWriter(self.output_dir, self.config.run.name, self.config.wandb, wandb_config(self.config))
         self.metrics_last_id = writer.last_id
         for row in writer.rows:  # an earlier session's rows, which the stream may no longer hold
             probe.observe(row)

@@ -41,7 +41,7 @@ from bus.commit import CommitConflict, NotOwned
 from bus.entries import Entry
 from bus.errors import ConfigError
 from bus.keys import GROUP_PACKER
-from bus.lease import Lease
+from bus.lease import Lease, process_holder
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Sample, task_position
 from bus.policy import PolicyTracker
@@ -121,7 +121,7 @@ class PackerWorker:
             await self.bus.ensure_group(stream, GROUP_PACKER)
         if self.vocab_size is None:
             self.vocab_size = model_vocab_size(self.config.model.path)
-        self.lease = Lease(self.bus, "packer", self.worker, self.cfg.lease_ttl_s)
+        self.lease = Lease(self.bus, "packer", process_holder(self.worker), self.cfg.lease_ttl_s)
         self.log.info("packer_standby", hint="waiting for the packer lease; another packer holds it")
         if not await self.lease.acquire(self._stop):
             return

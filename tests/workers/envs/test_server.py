@@ -151,3 +151,36 @@ def test_cli_serves_a_config_env_and_external_handle_uses_it(tmp_path):
     finally:
         process.terminate()
         assert process.wait(timeout=10) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_hung_call_is_bounded_its_server_replaced_and_its_neighbours_answered():
+    """User code that never returns: the call fails within the handle's timeout (CallTimeout, not a silent wait),
+    the call batched with it is answered, and the server is replaced so later calls go on."""
+    handle = await EnvHandle.start(EnvConfig(id="tests.workers.envs.hung_envs:hangs_on_zero"), timeout_s=2)
+    try:
+        first_pid = handle.pid
+        hung, neighbour = await asyncio.gather(handle.example(index=0), handle.example(index=1),
+                                               return_exceptions=True)
+        assert isinstance(hung, RpcError) and "CallTimeout" in str(hung), hung
+        assert neighbour == {"text": "item 1"}
+        deadline = time.monotonic() + 10
+        while not _gone(first_pid) and time.monotonic() < deadline:  # it exits to be replaced
+            await asyncio.sleep(0.05)
+        assert await handle.example(index=2) == {"text": "item 2"}
+        assert handle.restarts == 1 and handle.pid != first_pid
+    finally:
+        await handle.close()
+
+
+@pytest.mark.asyncio
+async def test_a_spawned_servers_args_stay_out_of_its_command_line():
+    """Env args may hold secrets (API keys of a remote env): `ps` on the host must not show them."""
+    handle = await EnvHandle.start(EnvConfig(id="reverse_text", args={"num_examples": 7}), timeout_s=10)
+    try:
+        with open(f"/proc/{handle.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert not any(b"num_examples" in arg for arg in argv), argv
+        assert (await handle.info())["size"] == 7  # the args still reached the env
+    finally:
+        await handle.close()

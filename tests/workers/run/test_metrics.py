@@ -1,9 +1,11 @@
 """metrics.jsonl across sessions of one run: the earlier rows stay (the stream may have trimmed them), a torn last
 line goes, and the next session reads the stream after the file's last entry."""
 
+import json
 
 from bus.messages import Metric
-from workers.run.metrics import MetricsWriter, read_rows
+from workers.config import RlbusConfig
+from workers.run.metrics import MetricsWriter, read_rows, wandb_config
 
 
 def test_a_resumed_writer_keeps_the_earlier_rows_and_goes_on_after_the_last(tmp_path):
@@ -20,3 +22,15 @@ def test_a_resumed_writer_keeps_the_earlier_rows_and_goes_on_after_the_last(tmp_
     again.close()
     rows = read_rows(tmp_path / "metrics.jsonl")
     assert [r["id"] for r in rows] == ["100-0", "200-0", "250-0"]
+
+
+def test_the_config_sent_to_wandb_holds_no_env_args_and_no_redis_password():
+    """Env args may hold secrets (a remote env's API key), and so may a Redis URL: W&B gets neither."""
+    config = RlbusConfig.model_validate({
+        "redis": {"url": "redis://:hunter2@host:6379/0?password=hunter2"},
+        "env": [{"id": "reverse_text", "args": {"api_key": "sk-secret"}}],
+        "eval": {"env": [{"id": "reverse_text", "args": {"api_key": "sk-secret"}}]},
+    })
+    shown = json.dumps(wandb_config(config))
+    assert "sk-secret" not in shown and "hunter2" not in shown
+    assert '"id": "reverse_text"' in shown

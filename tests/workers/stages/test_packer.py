@@ -11,9 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bus.config import RedisConfig
 from bus.keys import GROUP_PACKER
+from bus.local_redis import LocalRedis
 from bus.messages import Metric
 from bus.state import LAST_STEP_FIELD
+from bus.streams import Bus
+from tests.outages import redis_outage
 from tests.paths import REPO
 from tests.policy import publish_trained
 from tests.workers.stages.helpers import ENV, config, group, micro_batches, pending, read_all
@@ -369,3 +373,44 @@ def test_sft_groups_are_never_stale(bus, redis_url, run_name, model_dir):
             await worker.close()
 
     asyncio.run(main())
+
+
+def test_a_packer_rides_out_a_redis_outage_longer_than_its_lease(tmp_path, run_name, model_dir):
+    """Redis away for four lease TTLs (within redis.reconnect_timeout_s): the packer keeps its lease and builds the
+    next step once Redis is back, instead of stopping after one TTL."""
+    server = LocalRedis(dir=tmp_path / "redis")
+    url = server.start()
+    cfg = config(url, run_name, model_dir, lease_ttl_s=0.5)
+
+    async def main():
+        b = await Bus.connect(url, run_name, RedisConfig(url=url), "test")
+        worker = PackerWorker(cfg, worker="packer")
+        try:
+            await b.state_set(inflight=4)
+            await worker.setup()
+            running = asyncio.create_task(worker.run())
+            await asyncio.sleep(0.3)
+            nonlocal server
+            server = await asyncio.to_thread(redis_outage, server, tmp_path / "redis", 2.0)
+            await b.publish_many(b.keys.filtered(ENV), [group(1, [1.0, 0.0]), group(2, [0.0, 1.0])])
+            deadline = time.monotonic() + 20
+            while not await b.redis.exists(b.keys.batches(1)) and time.monotonic() < deadline:
+                assert not running.done(), running.result()
+                await asyncio.sleep(0.05)
+            assert len(await micro_batches(b, 1)) > 0
+            while await b.redis.get(worker.lease.key) is None and time.monotonic() < deadline:  # expired meanwhile
+                assert not running.done(), running.result()
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # a renewal or so later, still the holder
+            assert not running.done(), running.result()
+            assert (await b.redis.get(worker.lease.key)).decode() == worker.lease.holder
+            worker.request_stop()
+            await asyncio.wait_for(running, 5)
+        finally:
+            await worker.close()
+            await b.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
