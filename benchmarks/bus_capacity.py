@@ -7,8 +7,9 @@ consumer process is a filter's read loop: ``Bus.read_group`` (decode, every chec
 trims the stream behind the consumers (``trim_consumed``, as the workers' upkeep does) and samples Redis. Every
 level runs ``--seconds``; the load rises (``--levels``: producers, as many consumers) until sustained samples/s
 rises by less than 10%. Per level: sustained samples/s (the lower of committed and consumed) and MB/s, p50/p99
-commit latency, Redis CPU (``INFO cpu`` deltas over wall time, in cores) and peak ``used_memory``, the clients' CPU
-(their own ``getrusage``, in cores). At the top level the same bytes go through bare redis-py (XADD of the encoded
+commit latency, Redis CPU (``INFO cpu`` deltas over wall time, in cores), the samples/s at which Redis's one command
+core would be full at that CPU per sample (an extrapolation: it holds where the clients, not Redis, ran out), peak
+``used_memory``, the clients' CPU (their own ``getrusage``, in cores) and the whole box's (``/proc/stat``). At the top level the same bytes go through bare redis-py (XADD of the encoded
 fields; XREADGROUP + XACK) for the ratio; then which resource saturated first. Last line: ``bus/bare ratio: X``
 (sustained MB/s at the top level, the lowest over the token sizes).
 
@@ -162,13 +163,18 @@ class Level:
     def mb_per_s(self) -> float:
         return min(self.committed, self.consumed) * self.group_bytes / self.wall_s / 1e6
 
+    @property
+    def redis_ceiling(self) -> float:
+        """Samples/s at which Redis would use its one command core, its CPU per sample held (an extrapolation)."""
+        return self.samples_per_s / self.redis_cpu if self.redis_cpu > 0 else float("inf")
+
     def line(self) -> str:
         p50, p99 = (np.percentile(self.latencies, [50, 99]) * 1e3) if self.latencies else (float("nan"),) * 2
         return (f"{'bare' if self.bare else 'bus':<4} {self.producers:>2} producers + {self.producers:>2} consumers: "
                 f"{self.samples_per_s:8.0f} samples/s {self.mb_per_s:7.1f} MB/s (committed "
                 f"{self.committed * self.samples / self.wall_s:.0f}, consumed {self.consumed * self.samples / self.wall_s:.0f}"
                 f" samples/s) | commit p50 {p50:6.1f} ms p99 {p99:6.1f} ms | redis cpu {self.redis_cpu:4.2f} cores, "
-                f"peak used_memory {self.redis_memory / 2**20:6.1f} MiB | clients cpu {self.client_cpu:4.2f} cores"
+                f"peak used_memory {self.redis_memory / 2**20:6.1f} MiB, one core at {self.redis_ceiling:.0f} samples/s | clients cpu {self.client_cpu:4.2f} cores"
                 + ("" if self.box_cpu is None else f", the box busy {self.box_cpu:4.2f} cores"))
 
 
@@ -261,7 +267,9 @@ def climb(url: str, tokens: int, samples: int, levels: list[int], seconds: float
     bare = run_level(url, tokens, samples, top.producers, True, seconds)
     print(bare.line(), flush=True)
     print(f"saturation ({tokens} tokens): {top.samples_per_s:.0f} samples/s, {top.mb_per_s:.1f} MB/s at "
-          f"{top.producers} producers; first saturated: {saturated_first(top)}")
+          f"{top.producers} producers; first saturated: {saturated_first(top)}; Redis's one core would carry "
+          f"{top.redis_ceiling:.0f} samples/s ({top.redis_ceiling / top.samples_per_s * top.mb_per_s:.0f} MB/s) "
+          f"at its CPU per sample here, bare redis-py {bare.redis_ceiling:.0f}")
     print(f"bus/bare ratio ({tokens} tokens): {top.mb_per_s / bare.mb_per_s:.2f}")
     return top, bare
 
