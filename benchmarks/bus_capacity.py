@@ -10,10 +10,12 @@ rises by less than 10%. Per level: sustained samples/s (the lower of committed a
 commit latency, Redis CPU (``INFO cpu`` deltas over wall time, in cores), the samples/s at which Redis's one command
 core would be full at that CPU per sample (an extrapolation: it holds where the clients, not Redis, ran out), peak
 ``used_memory``, the clients' CPU (their own ``getrusage``, in cores) and the whole box's (``/proc/stat``). At the top level the same bytes go through bare redis-py (XADD of the encoded
-fields; XREADGROUP + XACK) for the ratio; then which resource saturated first. Last line: ``bus/bare ratio: X``
+fields; XREADGROUP + XACK) for the ratio; then which resource saturated first. Then Redis's own time for one commit
+of 1 to 64 MB of groups (a packer commits a step's micro-batches at once; Redis serves nothing else meanwhile). Last line: ``bus/bare ratio: X``
 (sustained MB/s at the top level, the lowest over the token sizes).
 
-    python benchmarks/bus_capacity.py [--tokens 2048 8192 32768] [--levels 1 2 4 8] [--seconds 5] [--quick]
+    python benchmarks/bus_capacity.py [--tokens 2048 8192 32768] [--levels 1 2 4 8] [--seconds 5]
+        [--commit-mb 1 4 16 64] [--quick]
 """
 
 import argparse
@@ -274,23 +276,49 @@ def climb(url: str, tokens: int, samples: int, levels: list[int], seconds: float
     return top, bare
 
 
+async def big_commits(url: str, sizes_mb: list[int], tokens: int, samples: int) -> list[tuple[float, float]]:
+    """Redis's time (``commandstats``, EVALSHA) for one commit of about each of ``sizes_mb`` MB of groups, as the
+    packer commits a whole step: (MB, ms); Redis runs nothing else meanwhile."""
+    bus = await Bus.connect(url, RUN, RedisConfig(url=url), "packer")
+    stream, message = Keys(RUN).batches(1), group_message(tokens, samples, 0)
+    group_mb = sum(len(v) for v in message.to_fields().values()) / 1e6
+    found = []
+    for mb in sizes_mb:
+        copies = max(1, round(mb / group_mb))
+        await bus.redis.config_resetstat()
+        for _ in range(3):
+            await bus.commit([], [(stream, message)] * copies)
+            await bus.redis.delete(stream)
+        stats = await bus.redis.info("commandstats")
+        found.append((copies * group_mb, stats["cmdstat_evalsha"]["usec_per_call"] / 1e3))
+    await bus.close()
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768], help="tokens a sample")
     parser.add_argument("--samples", type=int, default=16, help="samples a group")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8], help="producers (= consumers)")
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds a level")
-    parser.add_argument("--quick", action="store_true", help="8192 tokens, levels 1 2 4, 2 s a level (< 60 s)")
+    parser.add_argument("--commit-mb", type=int, nargs="+", default=[1, 4, 16, 64],
+                        help="sizes of the one-commit measurement (a packer's step), MB")
+    parser.add_argument("--quick", action="store_true",
+                        help="8192 tokens, levels 1 2 4, 2 s a level, commits up to 16 MB (< 60 s)")
     args = parser.parse_args()
     if args.quick:
         args.tokens = [8192] if args.tokens == parser.get_default("tokens") else args.tokens
         args.levels = [1, 2, 4] if args.levels == parser.get_default("levels") else args.levels
         args.seconds = 2.0 if args.seconds == parser.get_default("seconds") else args.seconds
+        args.commit_mb = [1, 4, 16] if args.commit_mb == parser.get_default("commit_mb") else args.commit_mb
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; one private redis-server (no AOF)")
     with LocalRedis(aof=False) as server:
         ratios = [top.mb_per_s / bare.mb_per_s
                   for top, bare in (climb(server.url, t, args.samples, args.levels, args.seconds)
                                     for t in args.tokens)]
+        commits = asyncio.run(big_commits(server.url, args.commit_mb, 8192, args.samples))
+    print("\none commit (the packer commits a step at once; Redis serves no one else meanwhile): "
+          + ", ".join(f"{mb:.0f} MB {ms:.0f} ms ({ms / mb:.1f} ms/MB)" for mb, ms in commits))
     print(f"bus/bare ratio: {min(ratios):.2f}")
 
 

@@ -417,9 +417,9 @@ def test_bus_benchmark_runs(redis_url, capsys):
 def test_bus_capacity_benchmark_runs():
     """One small level of producer and consumer processes, bus then bare: the saturation and ratio lines."""
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bus_capacity.py"), "--quick", "--seconds", "1",
-                          "--levels", "1", "--tokens", "512", "--samples", "4"],
+                          "--levels", "1", "--tokens", "512", "--samples", "4", "--commit-mb", "1"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert "saturation (512 tokens):" in out and "first saturated:" in out
+    assert "saturation (512 tokens):" in out and "first saturated:" in out and "one commit" in out
     assert float(out.strip().splitlines()[-1].removeprefix("bus/bare ratio: ")) > 0
 
 
