@@ -2,6 +2,8 @@
 
 import asyncio
 import importlib.util
+import subprocess
+import sys
 import time
 
 import pytest
@@ -409,6 +411,16 @@ def test_bus_benchmark_runs(redis_url, capsys):
     ratio = asyncio.run(bench.bench(redis_url, n=128, batch=32, rounds=1))
     assert ratio > 0
     assert "bus " in capsys.readouterr().out
+
+
+@pytest.mark.timeout(150)
+def test_bus_capacity_benchmark_runs():
+    """One small level of producer and consumer processes, bus then bare: the saturation and ratio lines."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bus_capacity.py"), "--quick", "--seconds", "1",
+                          "--levels", "1", "--tokens", "512", "--samples", "4", "--commit-mb", "1"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "saturation (512 tokens):" in out and "first saturated:" in out and "one commit" in out
+    assert float(out.strip().splitlines()[-1].removeprefix("bus/bare ratio: ")) > 0
 
 
 def test_a_redis_restart_is_ridden_out(tmp_path):
