@@ -187,9 +187,13 @@ def run_script(config: RlbusConfig, out: Path, workdir: Path, *, init_model: boo
         path = shlex.quote(config.model.path)
         lines.append(f'[ -e {path} ] || "${{RLBUS[@]}}" init-model --out {path} --preset {config.model.init_preset} '
                      f"--seed {config.run.seed}")
-    lines += [_step(launch) for launch in launches if not launch.after_servers]
-    lines += SERVER_WAIT + [_step(launch) for launch in launches if launch.after_servers]
-    lines += ['wait "$WATCHER"; code=$?', "stop"]
+    for launch in launches:
+        lines += SERVER_WAIT if launch.name == "feeder" else []
+        lines += [_step(launch)] + (["TRAINER=${PIDS[-1]}"] if launch.role == "trainer" else [])
+    lines += ["# The run ends when the watcher does (run.max_steps) or the trainer stops (`scancel --signal=TERM`",
+              "# stops every worker): the workers drain against a live Redis, then the watcher writes summary.json.",
+              'while kill -0 "$WATCHER" 2>/dev/null && kill -0 "$TRAINER" 2>/dev/null; do sleep 2; done',
+              "stop", 'kill -TERM "$WATCHER" 2>/dev/null; wait "$WATCHER"; code=$?']
     if config.redis.url is None:
         lines += ['kill -TERM "$REDIS_PID"; wait "$REDIS_PID"']
     lines += ['echo "rlbus: run ended (watcher exit $code)"', "exit $code"]

@@ -126,14 +126,21 @@ def test_a_run_on_slurm_scales_stops_resumes_and_survives_a_lost_node(tmp_path, 
                  "the added rollout worker finished a group", 90)
 
         mark(f"step {run.step()}: the added rollout worker took tasks")
-        cluster.run("scancel", job)  # the whole run: every worker gets SIGTERM and drains
+        cluster.run("scancel", "--signal=TERM", job)  # the whole run: every worker gets SIGTERM and drains
         run.wait(lambda: not run.job_state(job), "the cancelled run job left the queue", 60)
         stopped_at = run.step()
+        ended = (run.out / "slurm" / f"rlbus-{RUN}-{job}.out").read_text()
+        assert "rlbus: run ended" in ended and "Killed" not in ended, ended  # nothing needed SIGKILL
+        for log, event in (("trainer.log", "trainer_stopped"), ("rollout-0.log", "rollout_stopped"),
+                           ("feeder.log", "feeder_stopped"), ("run.log", "(signal)")):
+            assert event in run.text(log), f"{log} has no {event}"
 
         mark(f"step {stopped_at}: the cancelled run left the queue")
         job = run.rlbus_slurm("--resume")
         run.wait(lambda: run.step() >= stopped_at + 2, f"resumed past step {stopped_at + 2}", 150)
         assert run.step() < MAX_STEPS - 5, "the run went too fast to lose a node mid-run; raise MAX_STEPS"
+        cluster.run("scancel", "--signal=TERM", more)  # the added rollout worker leaves again
+        run.wait(lambda: not run.job_state(more), "the rollout job left the queue", 60)
         first, lost = cluster.hostnames(run.squeue("-j", job, "-o", "%N").strip())
         mark(f"step {run.step()}: resumed as job {job}; losing {lost}")
         cluster.lose(lost)  # the node with a rollout worker: slurmd and every process on it killed -9
@@ -156,6 +163,5 @@ def test_a_run_on_slurm_scales_stops_resumes_and_survives_a_lost_node(tmp_path, 
         assert audit.returncode == 0, audit.stdout + audit.stderr
         audited = json.loads(audit.stdout)
         assert audited["steps"] == MAX_STEPS and audited["trained_twice"] == [], audited["trained_twice"]
-        cluster.run("scancel", more)
     finally:
         cluster.stop()
