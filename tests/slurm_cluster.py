@@ -54,7 +54,7 @@ def slurm_conf(root: Path, control_addr: str, nodes: dict[str, str]) -> str:
         "JobCompType=jobcomp/none", "SlurmdParameters=config_overrides",
         # A lost node is noticed in seconds and its jobs requeued (Slurm then holds a requeued job 120 s); a
         # returning slurmd rejoins by itself.
-        "SlurmdTimeout=10", "SlurmctldTimeout=10", "MessageTimeout=5", "KillWait=10", "MinJobAge=600",
+        "SlurmdTimeout=10", "SlurmctldTimeout=10", "MessageTimeout=5", "KillWait=5", "MinJobAge=600",
         "JobRequeue=1", "ReturnToService=2", "InactiveLimit=0", "SchedulerParameters=bf_interval=1",
         *(f"NodeName={name} NodeAddr={addr} CPUs={NODE_CPUS} State=UNKNOWN" for name, addr in nodes.items()),
         f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",

@@ -57,4 +57,5 @@ class SlurmConfig(Section):
     """Nodes of a rollout job (``rlbus slurm … --role rollout --count N``): its N workers are spread over them."""
 
     stop_grace_s: int = Field(60, ge=1)
-    """How long the workers get to drain when the run ends (SIGTERM, then SIGKILL)."""
+    """How long the run job waits for its workers to drain when the run ends (each gets SIGTERM); past it the job
+    ends and Slurm kills what is left."""

@@ -129,10 +129,11 @@ def _common(config: RlbusConfig, out: Path, generated_redis: bool) -> list[str]:
              '        env ${gpus:+CUDA_VISIBLE_DEVICES=$gpus} "${RLBUS[@]}" "$@" &',
              '    PIDS+=($!)',
              "}",
-             "stop() {  # SIGTERM to every worker (they drain), SIGKILL after slurm.stop_grace_s",
-             '    kill -TERM "${PIDS[@]}" 2>/dev/null',
-             f'    for _ in $(seq {cfg.stop_grace_s}); do kill -0 "${{PIDS[@]}}" 2>/dev/null || break; sleep 1; done',
-             '    kill -KILL "${PIDS[@]}" 2>/dev/null; wait',
+             'alive() { for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }',
+             "stop() {  # SIGTERM to every worker (they drain); one still running after slurm.stop_grace_s ends",
+             "          # with the job (Slurm kills every step then)",
+             '    scancel --signal=TERM "$SLURM_JOB_ID"  # the job steps only (srun signalled would abort its step)',
+             f"    for _ in $(seq {cfg.stop_grace_s}); do alive || break; sleep 1; done",
              "}"]
     if generated_redis:
         lines.append(f'export {PASSWORD_VAR}="$(cat "$OUT/slurm/redis.password")"')

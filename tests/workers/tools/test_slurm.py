@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from bus.errors import ConfigError
+from tests.paths import REPO
 from workers.cli import main as cli_main
 from workers.config import RlbusConfig
 from workers.tools.slurm import job_config, main
@@ -34,3 +35,14 @@ def test_resume_needs_a_submitted_run_and_a_rollout_job_needs_a_running_one(tmp_
     with pytest.raises(ConfigError, match="no run job has started"):
         main(config, ["--role", "rollout", "--count", "2"])
     assert not Path(tmp_path / "out").exists()
+
+
+def test_the_docs_show_the_script_rlbus_slurm_writes(tmp_path, monkeypatch, capsys):
+    """docs/slurm.md's GPU layout and its dry-run are what this code writes (regenerate the page's script block)."""
+    page = (REPO / "docs" / "slurm.md").read_text()
+    layer = tmp_path / "cluster.toml"
+    layer.write_text(page.split("```toml\n", 1)[1].split("\n```", 1)[0])
+    monkeypatch.chdir("/home")
+    assert cli_main(["slurm", "@", str(REPO / "configs" / "default.toml"), "@", str(layer), "--dry-run"]) == 0
+    script = capsys.readouterr().out.split("\n# /shared/runs/")[0].rstrip("\n")
+    assert f"```bash\n{script}\n```" in page

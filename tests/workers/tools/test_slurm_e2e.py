@@ -151,7 +151,7 @@ def test_a_run_on_slurm_scales_stops_resumes_and_survives_a_lost_node(tmp_path, 
         run.wait(lambda: "restart 1" in "".join(p.read_text() for p in (run.out / "slurm").glob("rlbus-*.out")),
                  "the requeued run job started", 60)
         mark(f"step {run.step()}: the requeued run job started")
-        run.wait(lambda: (run.out / "summary.json").exists() and run.step() >= MAX_STEPS, "finished", 150)
+        run.wait(lambda: not run.job_state(job), "the run job ended by itself at max_steps", 150)
         mark(f"step {run.step()}: finished")
         summary = json.loads((run.out / "summary.json").read_text())
         assert summary["steps_trained"] == MAX_STEPS and summary["stopped_because"] == "max_steps", summary
