@@ -6,12 +6,14 @@ resumes from Redis's AOF and its checkpoints to max_steps with balanced books an
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from bus.local_redis import LocalRedis
 from tests.paths import REPO
 from tests.slurm_cluster import SlurmCluster, slurm_missing
 from tests.workers.run.test_session_e2e import DEFAULT, assert_counts_add_up
@@ -156,10 +158,16 @@ def test_a_run_on_slurm_scales_stops_resumes_and_survives_a_lost_node(tmp_path, 
         summary = json.loads((run.out / "summary.json").read_text())
         assert summary["steps_trained"] == MAX_STEPS and summary["stopped_because"] == "max_steps", summary
         assert_counts_add_up(summary["groups"])
+        # The job stopped its Redis; the run's AOF in run.output_dir/redis holds every step's batches.
         password = (run.out / "slurm" / "redis.password").read_text()
-        url = (run.out / "slurm" / "endpoints.env").read_text().split("RLBUS_REDIS_URL=")[1].split()[0]
-        audit = cluster.run(sys.executable, "-m", "workers.cli", "inspect", "--run", RUN, "--audit", "--json",
-                            "--redis-url", url.replace("redis://", f"redis://:{password}@"), cwd=REPO, check=False)
+        store = LocalRedis(dir=run.out / "redis", password=password)
+        url = store.start()
+        try:
+            audit = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "--run", RUN, "--audit", "--json",
+                                    "--redis-url", url.replace("redis://", f"redis://:{password}@")],
+                                   capture_output=True, text=True, cwd=REPO, timeout=60)
+        finally:
+            store.stop()
         assert audit.returncode == 0, audit.stdout + audit.stderr
         audited = json.loads(audit.stdout)
         assert audited["steps"] == MAX_STEPS and audited["trained_twice"] == [], audited["trained_twice"]
