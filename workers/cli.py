@@ -22,6 +22,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "trainer": ("trainer.worker:main", "train on each step's micro-batches, publish weights and versions"),
     "run": ("workers.run.chain:main", "start a whole run (or its [[stage]]s in turn) on this machine"),
     "exporter": ("workers.tools.exporter:main", "serve a run's figures (streams, lag, versions, latency) to Prometheus"),
+    "slurm": ("workers.tools.slurm:main", "submit a run (or more rollout workers) to a Slurm cluster"),
     "inspect": ("workers.tools.inspect_run:main", "show a run's streams, groups, lag and pending entries; decode entries"),
     "replay": ("workers.tools.replay:main", "copy recorded rollouts or batches of one run into another run"),
     "health": ("workers.tools.health:main", "liveness probe: is a ROLE worker on this host heartbeating?"),
@@ -38,6 +39,9 @@ NO_CONFIG_ROLES = {"inspect", "redis", "init-model", "replay", "config"}
 
 STAGED_ROLES = {"run", "config"}
 """Roles that take a config with ``[[stage]]``s (the others run one stage's config)."""
+
+OWN_DRY_RUN_ROLES = {"slurm"}
+"""Roles whose ``--dry-run`` is their own (it goes to the role's options instead of printing the config)."""
 
 
 def usage() -> str:
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         files, overrides, role_args, dry_run = split_argv(rest)
+        if dry_run and role in OWN_DRY_RUN_ROLES:
+            role_args, dry_run = [*role_args, "--dry-run"], False
         config = None
         if files or overrides or dry_run or role not in NO_CONFIG_ROLES:
             config = load_config(files, overrides)

@@ -26,6 +26,7 @@ from workers.env_config import (
     check_unique_names,
     inherit,
 )
+from workers.slurm_config import SlurmConfig
 
 
 class RunConfig(Section):
@@ -295,6 +296,8 @@ class RlbusConfig(Section):
     """The Prometheus exporter (``rlbus exporter``, and the one ``rlbus run`` serves)."""
     wandb: WandbConfig | None = None
     """Weights & Biases logging by ``rlbus run``; None: off."""
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    """How ``rlbus slurm`` asks a Slurm cluster for nodes and places the roles on them."""
     stage: list["StageConfig"] = Field(default_factory=list)
     """Stages ``rlbus run`` runs one after another (``[[stage]]``, e.g. SFT then RL); empty: one run. Each
     ``[[stage]]`` table holds a ``name`` and any sections, merged over this file's (``[stage.trainer]`` …;

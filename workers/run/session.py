@@ -55,6 +55,9 @@ BACKGROUND_STOP_S = 10.0
 workers and writes its summary without them. (A CI run hung here for good: its eval task went on after its cancel,
 inside redis-py reads under a socket timeout; the process's exit still waits for such a task.)"""
 
+SETTLE_TRIES = 20
+"""Recounts of the groups at the end of an --attach run while its workers keep committing (see _settled_counts)."""
+
 RUN_STATE = ("redis", "weights", "checkpoints", "logs", "wandb", "metrics.jsonl", "summary.json", "report.png")
 """What a fresh run clears from output_dir (a resumed run keeps it)."""
 
@@ -313,7 +316,7 @@ class RunSession:
         while await self._read_metrics(bus, writer, probe, block_ms=None):  # what came in before the workers stopped
             pass
         try:
-            return await self.finish(bus, probe, writer.rows)
+            return await self.finish(bus, probe, writer.rows, await self._settled_counts(bus, writer, probe))
         finally:
             writer.close(report=self.output_dir / "report.png")
 
@@ -400,11 +403,22 @@ class RunSession:
             await evaluator.issue_due()
             await evaluator.collect(block_ms=500)
 
-    async def finish(self, bus: Bus, probe, rows: list[dict]) -> int:
+    async def _settled_counts(self, bus: Bus, writer, probe) -> dict[str, int]:
+        """The group counts of one consistent moment. With --attach the workers still run, and a group committed
+        (its stream entry with its metrics row) between reading the metrics and counting the streams would be
+        counted in flight but not produced: count again until no metrics row came in while counting."""
+        for _ in range(SETTLE_TRIES):
+            trained = (await probe.snapshot()).trained
+            counts = await group_counts(bus, self.config, writer.rows, trained)
+            if not await self._read_metrics(bus, writer, probe, block_ms=None):
+                break
+        return counts
+
+    async def finish(self, bus: Bus, probe, rows: list[dict], groups: dict[str, int]) -> int:
         snap = await probe.snapshot()
         summary = build_summary(
             rows, run=self.config.run.name, steps_trained=snap.trained, max_steps=self.config.run.max_steps,
-            wall_s=time.monotonic() - self.started, groups=await group_counts(bus, self.config, rows, snap.trained),
+            wall_s=time.monotonic() - self.started, groups=groups,
             restarts=self.sup.restarts_by_role(), stopped_because=self.stopped_because,
         )
         if self.fatal:
