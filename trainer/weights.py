@@ -162,7 +162,8 @@ def read_weights(dir: Path | str, device: torch.device | str = "cpu") -> dict[st
 
 
 def load_tensors_into(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
-    """Copy ``tensors`` into the model's parameters/buffers in place; a tied head may be absent."""
+    """Copy ``tensors`` into the model's parameters/buffers in place (all or none: every name and shape is checked
+    first); a tied head may be absent."""
     params = model.state_dict(keep_vars=True)
     missing = set(params) - set(tensors)
     tied = {name for name in missing if _is_tied(model, name)}
@@ -172,12 +173,14 @@ def load_tensors_into(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
     unknown = set(tensors) - set(params)
     if unknown:
         raise ValueError(f"weights hold tensors the model does not have: {sorted(unknown)[:5]}")
+    wrong = [name for name, tensor in tensors.items() if params[name].shape != tensor.shape]
+    if wrong:  # checked before any copy: a refused update leaves the model as it was
+        name = wrong[0]
+        raise ValueError(f"{name}: weights shape {tuple(tensors[name].shape)} != model shape "
+                         f"{tuple(params[name].shape)} ({len(wrong)} tensors differ)")
     with torch.no_grad():
         for name, tensor in tensors.items():
-            target = params[name]
-            if target.shape != tensor.shape:
-                raise ValueError(f"{name}: weights shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
-            target.copy_(tensor, non_blocking=True)
+            params[name].copy_(tensor, non_blocking=True)
 
 
 def _is_tied(model: nn.Module, name: str) -> bool:

@@ -152,6 +152,9 @@ class InferenceClient:
             for attempt in range(self.max_retries + 1):
                 try:
                     async with self._get_session().get(url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                        if 400 <= r.status < 500 and r.status != 429:
+                            raise InferenceRequestError(f"{url} refused to list its models ({r.status}): "
+                                                        f"{(await r.text())[:300]}")
                         r.raise_for_status()
                         self._model_names[index] = (await r.json())["data"][0]["id"]
                         break
@@ -168,12 +171,22 @@ class InferenceClient:
         return self._session
 
 
+def api_key(var: str | None) -> str | None:
+    """The API key in environment variable ``var`` (``inference.api_key_var``; None: no key), for the clients that
+    send it and the servers that ask for it."""
+    if not var:
+        return None
+    key = os.environ.get(var)
+    if not key:
+        raise ConfigError(f"inference.api_key_var={var!r} is not set (or empty) in the environment; export the key "
+                          "there, or unset inference.api_key_var to go without one")
+    return key
+
+
 def _headers(api_key_var: str | None, headers_from_env: dict[str, str]) -> dict[str, str]:
     headers = {}
-    if api_key_var:
-        key = os.environ.get(api_key_var)
-        if key is None:
-            raise ConfigError(f"inference.api_key_var={api_key_var!r} is not set in the environment; export it")
+    key = api_key(api_key_var)
+    if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     for name, var in headers_from_env.items():
         value = os.environ.get(var)

@@ -128,6 +128,37 @@ def test_bad_requests_get_400_with_the_reason(server):
     assert status == 400 and "temperature" in body["error"]["message"] and body["policy_version"] == 0
 
 
+BAD_PARAMETERS = [
+    ({"logprobs": 10**6}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": "x"}, "logprobs"),
+    ({"prompt_logprobs": 10**6}, "prompt_logprobs"), ({"prompt_logprobs": -2}, "prompt_logprobs"),
+    ({"top_k": -5}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"seed": 2**70}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"stop": [1]}, "stop"), ({"stop": [""]}, "stop"), ({"stop": {"a": 1}}, "stop"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"n": 2.5}, "n"), ({"n": 10**6}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "9"}, "max_tokens"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": 1e9}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"), ({"top_p": 0}, "top_p"), ({"min_p": 2}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"prompt": [[1, "a"]]}, "prompt"), ({"prompt": [-3]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_PARAMETERS, ids=[str(f) for f, _ in BAD_PARAMETERS])
+def test_every_sampling_parameter_out_of_range_is_a_400_that_names_it(server, fields, param):
+    """Each used to crash the engine (logprobs, prompt_logprobs, seed, stop), pass silently (NaN temperature, 2.5
+    choices) or give a 500; now a 400 whose message and ``param`` name the field, and the server goes on serving."""
+    status, body = _post(server, "/completions", {"prompt": [65, 66], "max_tokens": 4, **fields})
+    assert status == 400, body
+    assert body["error"]["param"] == param and param in body["error"]["message"]
+    status, body = _post(server, "/completions", {"prompt": [65, 66], "max_tokens": 2})
+    assert status == 200 and len(body["choices"]) == 1
+
+
+def test_chat_top_logprobs_out_of_range_is_a_400(server):
+    status, body = _post(server, "/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                                       "logprobs": True, "top_logprobs": 10**6, "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "top_logprobs"
+
+
 def test_stop_strings_end_the_completion(server):
     status, body = _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0,
                                                     "seed": 3, "return_token_ids": True, "ignore_eos": True})
