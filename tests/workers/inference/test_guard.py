@@ -3,6 +3,7 @@ of what it refused (a real server process on the tiny model, against a real redi
 
 import asyncio
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -10,9 +11,12 @@ import redis
 
 from bus.keys import Keys
 from bus.local_redis import free_port
-from bus.messages import Metric
+from bus.messages import Metric, WeightUpdate
+from bus.policy import PolicyTracker
+from trainer.weights import describe_weights, weights_dir
 from workers.inference.client import InferenceClient, InferenceRequestError
 from workers.inference.process import InferenceProcess
+from workers.tools.init_model import build_model
 
 KEY_VAR = "RLBUS_TEST_INFERENCE_KEY"
 KEY = "s3cret-key"
@@ -26,8 +30,13 @@ def run(redis_server) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, redis_server, run, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("guard")
+def output_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("guard")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, redis_server, run, output_dir):
+    tmp = output_dir
     config = tmp / "cfg.toml"
     config.write_text(
         f'[run]\nname = "{run}"\noutput_dir = "{tmp}"\n[redis]\nurl = "{redis_server}"\nblock_ms = 200\n'
@@ -148,3 +157,24 @@ async def test_refusals_are_counted_in_the_metrics_stream(server, redis_server, 
         time.sleep(0.5)
     assert totals.get("inference/rejected_bad_request", 0) >= 1
     assert totals.get("inference/rejected_unauthorized", 0) >= 1
+
+
+@pytest.mark.asyncio
+async def test_weights_that_fail_to_load_leave_the_last_good_ones_serving(server, output_dir, bus, run):
+    """A folder whose shard is garbage but whose event carries that garbage's sha256 (what re-publishing a damaged
+    folder used to do) made the loader's error kill the server. Now the update is skipped (logged, counted) and the
+    server goes on serving version 0, then loads the next good update."""
+    bad = weights_dir(output_dir, 1)
+    bad.mkdir(parents=True)
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}" + bytes(64))
+    async with bus("trainer", run=run) as b, aiohttp.ClientSession(headers=_auth()) as http:
+        await b.publish(b.keys.weights(), WeightUpdate(step=1, format="safetensors", dir=str(bad),
+                                                       files=describe_weights(bad)))
+        health = await _wait_health(http, server, lambda h: h["counts"]["weights_load_failed"] >= 1, 30)
+        assert health["counts"]["weights_load_failed"] == 1 and health["status"] == "ok"
+        async with http.post(server.base_url + "/completions", json={"prompt": [65], "max_tokens": 2}) as r:
+            assert r.status == 200 and (await r.json())["policy_version"] == 0
+        good = build_model(weights_dir(output_dir, 2), preset="tiny", seed=1)
+        await b.publish(b.keys.weights(), WeightUpdate(step=2, format="safetensors", dir=str(good),
+                                                       files=describe_weights(good)))
+        await PolicyTracker(b).wait(lambda t: t.served_by.get("guard") == 2, timeout_s=30)
