@@ -290,3 +290,37 @@ def test_gloo_broadcast_update_is_loaded_in_place(server, bus, run, tmp_path, mo
     _, after = _post(server, "/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0.0,
                                               "ignore_eos": True, "return_token_ids": True})
     assert after["policy_version"] == 2 and after["choices"][0]["token_ids"] == expected[2:]
+
+
+@pytest.mark.asyncio
+async def test_a_server_whose_engine_keeps_failing_exits_for_its_supervisor(tiny_model_dir, tmp_path, monkeypatch):
+    """Each failed step is a 500 (the client retries); after three in a row the engine stops, requests get 503 with
+    Retry-After, /health says engine_dead, and ``run()`` raises within a second or two, so the process exits and
+    its supervisor starts a fresh one (a poisoned CUDA context cannot be cleared in place)."""
+    from workers.config_loader import load_config
+    from workers.inference.transformers_server import InferenceServer
+
+    path = tmp_path / "cfg.toml"
+    path.write_text(f'[run]\noutput_dir = "{tmp_path}"\n[model]\npath = "{tiny_model_dir}"\n'
+                    '[inference]\nnum_threads = 1\nmax_model_len = 256\n')
+    server = InferenceServer(load_config([path], []), "127.0.0.1", free_port(), "dying")
+    await server.setup()
+    try:
+        def broken(*args, **kwargs):
+            raise RuntimeError("CUDA error: device-side assert triggered (simulated)")
+
+        monkeypatch.setattr(server.engine.model, "forward", broken)
+        running = asyncio.create_task(server.run())
+        url = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as http:
+            statuses = []
+            for _ in range(4):
+                async with http.post(url + "/v1/completions", json={"prompt": [65], "max_tokens": 2}) as r:
+                    statuses.append((r.status, r.headers.get("Retry-After")))
+            assert statuses[:3] == [(500, None)] * 3 and statuses[3] == (503, "1")
+            async with http.get(url + "/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "engine_dead"
+        with pytest.raises(RuntimeError, match="inference engine stopped"):
+            await asyncio.wait_for(running, timeout=5)
+    finally:
+        await server.close()
