@@ -10,9 +10,12 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 import redis
+from aiohttp import web
+from structlog.testing import capture_logs
 
 from bus.keys import GROUP_ROLLOUT, Keys
 from bus.local_redis import free_port
@@ -264,6 +267,56 @@ def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
     (letter,) = mine()
     assert "rollout_timeout_s=0.5" in letter.reason and "after 2 attempts" in letter.reason
     assert stack.groups(name) == [] and int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == before
+
+
+async def _proxy(port: int, target: str) -> web.AppRunner:
+    """An HTTP proxy on ``port`` to ``target`` (the inference server coming back, as far as a client can tell)."""
+    async def forward(request: web.Request) -> web.Response:
+        async with aiohttp.ClientSession() as http, http.request(request.method, target + request.path,
+                                                                data=await request.read(),
+                                                                headers={"Content-Type": "application/json"}) as r:
+            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
+    """No server answers on inference.base_urls for 4 s (connection refused), then one does: the tasks taken
+    meanwhile are held (inference_unreachable) and then rolled out; with env.max_retries = 0 each used to become a
+    dead letter at its first refused connection. The slow test below does the same with a 45 s outage."""
+    name = f"hold{uuid.uuid4().hex[:4]}"
+    env = {"id": "tests.workers.stages.rollout_envs:slow_echo", "name": name, "group_size": 2, "max_retries": 0,
+           "args": {"step_s": 0.01}}
+    port = free_port()
+    config = load_config([stack.config([env])], [("inference.base_urls", [f"http://127.0.0.1:{port}/v1"])])
+    stack.publish([_task(name, i, 2) for i in range(2)], inflight=4)
+
+    async def main():
+        worker = RolloutWorker(config, worker="r-hold")
+        await worker.setup()
+        running = asyncio.create_task(worker.run())
+        await asyncio.sleep(4)
+        assert not [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]  # held, not dead
+        proxy = await _proxy(port, f"http://127.0.0.1:{stack.port}")
+        deadline = time.monotonic() + 60
+        while len(stack.groups(name)) < 2 and time.monotonic() < deadline and not running.done():
+            await asyncio.sleep(0.1)
+        worker.request_stop()
+        await running
+        await worker.close()
+        await proxy.cleanup()
+
+    with capture_logs() as logs:
+        asyncio.run(main())
+    assert sorted(g.task_id for g in stack.groups(name)) == [f"{name}:0:{i}" for i in range(2)]
+    assert not [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
+    assert any(e["event"] == "inference_unreachable" for e in logs)
+    assert all(g.timings["inference_wait_s"] > 3 for g in stack.groups(name))
 
 
 def _wait_healthy(stack: Stack, proc: subprocess.Popen, timeout_s: float) -> None:
