@@ -18,6 +18,7 @@ from bus.errors import ConfigError
 from bus.messages import WeightFile
 from bus.weight_files import sha256_of
 from trainer.durable import publish_dir
+from trainer.weights import write_manifest
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -88,6 +89,7 @@ def save_adapter(tensors: Mapping[str, Tensor], dir: Path | str, config) -> list
     config.save_pretrained(str(tmp))
     files = [WeightFile(name=name, bytes=(tmp / name).stat().st_size, sha256=sha256_of(tmp / name))
              for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)]
+    write_manifest(tmp, files)
     publish_dir(tmp, dir)  # fsynced, then renamed into place
     return files
 

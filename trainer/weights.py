@@ -126,10 +126,15 @@ def write_shards(
         config.to_json_file(tmp / "config.json")
     if companions is not None and Path(companions).is_dir():
         link_companions(Path(companions), tmp)
-    manifest = [{"name": n, "bytes": b, "sha256": h} for n, b, h in files]
-    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+    write_manifest(tmp, [WeightFile(name=n, bytes=b, sha256=h) for n, b, h in files])
     publish_dir(tmp, dir)
     return files
+
+
+def write_manifest(dir: Path, files: list[WeightFile]) -> None:
+    """Record each file's size and sha256 as written, for :func:`verified_weights`."""
+    manifest = [{"name": f.name, "bytes": f.bytes, "sha256": f.sha256} for f in files]
+    (dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
 
 
 def remove_interrupted_saves(root: Path | str) -> list[Path]:

@@ -300,7 +300,7 @@ class TrainerWorker:
 
     async def _verified(self, path, step: int):
         """The files of a folder written before a restart, checked against its manifest; None when it does not match
-        (damaged, or an adapter folder, which has no manifest): it is then rewritten from the restored state."""
+        (damaged, or written before manifests were): it is then rewritten from the restored state."""
         from trainer.weights import verified_weights
 
         try:

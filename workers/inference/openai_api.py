@@ -24,6 +24,9 @@ MAX_TEMPERATURE = 100.0
 """Highest ``temperature`` accepted (past it every token is about equally likely)."""
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """``seed`` must fit a signed 64-bit integer (vLLM's bound)."""
+MAX_STOPS = 64
+"""Most ``stop`` strings, and (×16) ``stop_token_ids``, a request may give: each is checked at every step of its
+rows, so an unbounded list slows the whole batch."""
 
 
 class ApiError(Exception):
@@ -65,7 +68,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         min_tokens=min_tokens,
         stop=_stop(body.get("stop")),
         stop_token_ids=tuple(_int({"stop_token_ids": t}, "stop_token_ids", 0, 0, None)
-                             for t in _list(body, "stop_token_ids")),
+                             for t in _list(body, "stop_token_ids", 16 * MAX_STOPS)),
         ignore_eos=_bool(body, "ignore_eos"),
         seed=_int(body, "seed", None, *SEED_RANGE),
         n=_int(body, "n", 1, 1, None),
@@ -107,18 +110,20 @@ def _bool(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _list(body: dict[str, Any], name: str) -> list:
+def _list(body: dict[str, Any], name: str, most: int) -> list:
     value = body.get(name)
     if value is None:
         return []
     if not isinstance(value, list):
         raise ApiError(f"{name} must be a list, got {type(value).__name__}", param=name)
+    if len(value) > most:
+        raise ApiError(f"{name} has {len(value)} entries, more than the {most} accepted", param=name)
     return value
 
 
 def _stop(value: Any) -> tuple[str, ...]:
     """``stop``: a string or a list of non-empty strings."""
-    stops = [value] if isinstance(value, str) else _list({"stop": value}, "stop")
+    stops = [value] if isinstance(value, str) else _list({"stop": value}, "stop", MAX_STOPS)
     if not all(isinstance(s, str) and s for s in stops):
         raise ApiError(f"stop={value!r} must be a non-empty string or a list of them", param="stop")
     return tuple(stops)
