@@ -26,9 +26,10 @@ PACKAGES = ("bus", "workers", "trainer")
 
 RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bus", ("bus",)),
-    ("config", ("workers.config", "workers.config_loader", "workers.batch_config", "workers.env_config", "workers.slurm_config",
-                "trainer.config")),
-    ("shared runtime", ("workers.lifecycle", "trainer.weights", "trainer.broadcast", "trainer.lora", "trainer.model")),
+    ("config", ("workers.config", "workers.config_loader", "workers.batch_config", "workers.env_config",
+                "workers.slurm_config", "trainer.config")),
+    ("shared runtime", ("workers.lifecycle", "trainer.weights", "trainer.broadcast", "trainer.lora", "trainer.model",
+                        "trainer.durable")),
     ("roles", ("workers", "trainer")),
 )
 """Each rank, lowest first, and the modules (or packages) it holds; a module takes the first rank that names it."""

@@ -2,24 +2,38 @@
 
 ``output_dir/checkpoints/step_{s}/trainer.pt`` holds full (unsharded) state dicts keyed by parameter
 name, so a checkpoint written by W ranks resumes on any number of ranks (a LoRA run keeps only the adapter:
-the base is ``model.path``). The file is written into a
-temp dir that is then renamed. ``keep_last`` newest checkpoints are kept, plus every step that is a
-multiple of ``keep_interval``.
+the base is ``model.path``). The file and its sha256 (``trainer.pt.sha256``) are written into a temp dir, fsynced
+with it, then the dir is renamed into place (:func:`trainer.durable.publish_dir`). ``keep_last`` newest checkpoints
+are kept, plus every step that is a multiple of ``keep_interval``.
+
+A checkpoint whose file does not match its sha256 or cannot be read is corrupt: resuming from the latest
+(``resume_step = -1``) skips it with a ``checkpoint_corrupt`` log event and takes the newest intact one, so a
+damaged newest checkpoint costs the steps since the one before it instead of a trainer that exits on every restart.
 """
 
 import random
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from bus.errors import ConfigError
+from bus.errors import ConfigError, RlbusError
+from bus.log import get_logger
+from bus.weight_files import sha256_of
 from trainer.config import CkptConfig
 from trainer.dist import DistContext, barrier
+from trainer.durable import publish_dir
 
 FILE_NAME = "trainer.pt"
+DIGEST_NAME = "trainer.pt.sha256"
+"""Hex sha256 of ``trainer.pt``, next to it (checkpoints written before it existed have none: read unchecked)."""
+
+
+class CorruptCheckpoint(RlbusError):
+    """A checkpoint file that does not match its sha256 or cannot be read."""
 
 
 class Checkpointer:
@@ -30,6 +44,9 @@ class Checkpointer:
         self.cfg, self.ctx = cfg, ctx
         self.trainable_only = trainable_only
         """Keep only the trainable parameters (a LoRA adapter; the frozen base is ``model.path``)."""
+        self.log = get_logger(worker=f"trainer-{ctx.rank}", role="checkpoint")
+        self._read_ahead: tuple[int, dict[str, Any]] | None = None
+        """The state :meth:`resolve` read while checking a checkpoint, kept for the :meth:`load` that follows."""
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first."""
@@ -42,7 +59,7 @@ class Checkpointer:
             return None
         steps = self.steps()
         if resume_step == -1:
-            return steps[-1] if steps else None
+            return self._newest_intact(steps)
         if resume_step not in steps:
             raise ConfigError(f"ckpt.resume_step={resume_step} has no checkpoint under {self.root} "
                               f"(found {steps}); use one of them or -1 for the latest")
@@ -71,9 +88,8 @@ class Checkpointer:
             tmp = self.root / f".tmp-step_{step}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
             torch.save(state, tmp / FILE_NAME)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            (tmp / DIGEST_NAME).write_text(sha256_of(tmp / FILE_NAME))
+            publish_dir(tmp, final)
             self.prune()
         barrier(self.ctx)
         return final
@@ -84,13 +100,42 @@ class Checkpointer:
         of ``step``; returns the run epoch it was made in and its progress (None for older checkpoints)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        state = torch.load(self.root / f"step_{step}" / FILE_NAME, map_location="cpu", weights_only=True)
+        state = self.read(step)
         set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(full_state_dict=True, strict=not self.trainable_only))
         if not weights_only:
             scheduler.load_state_dict(state["scheduler"])
             _set_rng_state(state["rng"])
         return state.get("run_epoch"), state.get("progress")
+
+    def read(self, step: int) -> dict[str, Any]:
+        """The saved state of ``step``; :class:`CorruptCheckpoint` when it does not match its sha256 or cannot be
+        read."""
+        if self._read_ahead is not None and self._read_ahead[0] == step:
+            state, self._read_ahead = self._read_ahead[1], None
+            return state
+        path = self.root / f"step_{step}" / FILE_NAME
+        digest = path.with_name(DIGEST_NAME)
+        if digest.exists() and digest.read_text().strip() != sha256_of(path):
+            raise CorruptCheckpoint(f"{path} does not match its sha256 ({digest.name}): it was damaged after saving")
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated, torn, not a checkpoint: all mean the same here
+            raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {e})") from e
+
+    def _newest_intact(self, steps: list[int]) -> int | None:
+        """The newest step whose checkpoint reads (None: no checkpoint); each corrupt one is logged and skipped."""
+        for step in reversed(steps):
+            try:
+                self._read_ahead = (step, self.read(step))
+                return step
+            except CorruptCheckpoint as e:
+                self.log.error("checkpoint_corrupt", step=step, path=str(self.root / f"step_{step}"), error=str(e),
+                               hint="falling back to the checkpoint before it")
+        if steps:
+            raise RlbusError(f"every checkpoint under {self.root} ({steps}) is corrupt (see checkpoint_corrupt); "
+                             "restore one from a backup, or move them away and set ckpt.resume_step to start fresh")
+        return None
 
     def prune(self) -> list[int]:
         """Delete checkpoints beyond ``keep_last``, except multiples of ``keep_interval``."""

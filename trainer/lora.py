@@ -8,8 +8,6 @@ On disk an adapter is a PEFT folder: ``adapter_config.json`` + ``adapter_model.s
 """
 
 import json
-import os
-import shutil
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +17,8 @@ from torch import Tensor, nn
 from bus.errors import ConfigError
 from bus.messages import WeightFile
 from bus.weight_files import sha256_of
+from trainer.durable import publish_dir
+from trainer.weights import write_manifest
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -89,9 +89,8 @@ def save_adapter(tensors: Mapping[str, Tensor], dir: Path | str, config) -> list
     config.save_pretrained(str(tmp))
     files = [WeightFile(name=name, bytes=(tmp / name).stat().st_size, sha256=sha256_of(tmp / name))
              for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)]
-    if dir.exists():
-        shutil.rmtree(dir)
-    os.rename(tmp, dir)
+    write_manifest(tmp, files)
+    publish_dir(tmp, dir)  # fsynced, then renamed into place
     return files
 
 

@@ -1,8 +1,10 @@
 """Weights on disk: Hugging Face safetensors shards + index, written atomically, loaded in place.
 
 ``save_weights`` writes ``model-0000i-of-0000n.safetensors`` (each at most ``max_shard_mb``),
-``model.safetensors.index.json`` and ``config.json`` into a temp dir next to the target, then
-renames it, so a reader never sees a half-written update. Tied weights are stored once (as
+``model.safetensors.index.json``, ``config.json`` and a manifest of every shard's size and sha256
+(``rlbus-files.json``) into a temp dir next to the target, fsyncs it, then renames it, so a reader never sees a
+half-written update, not even after a power cut. A folder re-published after a restart is first checked against
+its manifest (:func:`verified_weights`): a damaged one is rewritten, never published with the hashes of its damage. Tied weights are stored once (as
 Hugging Face does); ``load_weights_into`` re-ties them. On GPU the tensors go device-to-host
 through pinned buffers kept between steps (:class:`HostCopy`).
 """
@@ -20,9 +22,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from bus.messages import WeightFile
-from bus.weight_files import sha256_of, weights_root
+from bus.weight_files import sha256_of, verify_weights, weights_root
+from trainer.durable import publish_dir
 
 INDEX_NAME = "model.safetensors.index.json"
+MANIFEST_NAME = "rlbus-files.json"
+"""Each shard's name, size and sha256, as measured when it was written."""
 
 
 def weights_dir(output_dir: Path | str, step: int) -> Path:
@@ -121,10 +126,15 @@ def write_shards(
         config.to_json_file(tmp / "config.json")
     if companions is not None and Path(companions).is_dir():
         link_companions(Path(companions), tmp)
-    if dir.exists():
-        shutil.rmtree(dir)
-    os.rename(tmp, dir)
+    write_manifest(tmp, [WeightFile(name=n, bytes=b, sha256=h) for n, b, h in files])
+    publish_dir(tmp, dir)
     return files
+
+
+def write_manifest(dir: Path, files: list[WeightFile]) -> None:
+    """Record each file's size and sha256 as written, for :func:`verified_weights`."""
+    manifest = [{"name": f.name, "bytes": f.bytes, "sha256": f.sha256} for f in files]
+    (dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
 
 
 def remove_interrupted_saves(root: Path | str) -> list[Path]:
@@ -162,7 +172,8 @@ def read_weights(dir: Path | str, device: torch.device | str = "cpu") -> dict[st
 
 
 def load_tensors_into(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
-    """Copy ``tensors`` into the model's parameters/buffers in place; a tied head may be absent."""
+    """Copy ``tensors`` into the model's parameters/buffers in place (all or none: every name and shape is checked
+    first); a tied head may be absent."""
     params = model.state_dict(keep_vars=True)
     missing = set(params) - set(tensors)
     tied = {name for name in missing if _is_tied(model, name)}
@@ -172,12 +183,14 @@ def load_tensors_into(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
     unknown = set(tensors) - set(params)
     if unknown:
         raise ValueError(f"weights hold tensors the model does not have: {sorted(unknown)[:5]}")
+    wrong = [name for name, tensor in tensors.items() if params[name].shape != tensor.shape]
+    if wrong:  # checked before any copy: a refused update leaves the model as it was
+        name = wrong[0]
+        raise ValueError(f"{name}: weights shape {tuple(tensors[name].shape)} != model shape "
+                         f"{tuple(params[name].shape)} ({len(wrong)} tensors differ)")
     with torch.no_grad():
         for name, tensor in tensors.items():
-            target = params[name]
-            if target.shape != tensor.shape:
-                raise ValueError(f"{name}: weights shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
-            target.copy_(tensor, non_blocking=True)
+            params[name].copy_(tensor, non_blocking=True)
 
 
 def _is_tied(model: nn.Module, name: str) -> bool:
@@ -204,8 +217,20 @@ def prune_weights(output_dir: Path | str, keep: int, protected: set[int]) -> lis
     return doomed
 
 
+def verified_weights(dir: Path | str) -> list[WeightFile]:
+    """The WeightFile list of a folder :func:`save_weights` wrote, after checking every shard against the manifest
+    written with it; ValueError when a shard differs or the manifest is missing (rewrite the folder then)."""
+    manifest = Path(dir) / MANIFEST_NAME
+    if not manifest.exists():
+        raise ValueError(f"{dir} has no {MANIFEST_NAME}: its shards cannot be checked")
+    files = [WeightFile(name=f["name"], bytes=f["bytes"], sha256=f["sha256"]) for f in json.loads(manifest.read_text())]
+    verify_weights(dir, files)
+    return files
+
+
 def describe_weights(dir: Path | str) -> list[WeightFile]:
-    """The WeightFile list (size, sha256) of an existing weights directory, to re-publish it."""
+    """The WeightFile list (size, sha256) of any weights directory as it is now (a model folder made elsewhere; for
+    a folder this run wrote, :func:`verified_weights` checks it first)."""
     dir = Path(dir)
     files = []
     for path in sorted(dir.glob("*.safetensors")):

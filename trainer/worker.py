@@ -45,10 +45,10 @@ from trainer.tenure import TrainerTenure
 from trainer.weights import (
     INDEX_NAME,
     HostCopy,
-    describe_weights,
     prune_weights,
     remove_interrupted_saves,
     save_weights,
+    verified_weights,
     weights_dir,
 )
 from workers.config import RlbusConfig
@@ -311,15 +311,24 @@ class TrainerWorker:
     async def _save_weights(self, step: int, state, republish: bool) -> WeightUpdate:
         path = weights_dir(self.output_dir, step)
         written = path / (ADAPTER_CONFIG if self.lora is not None else INDEX_NAME)
-        if republish and written.exists():
-            files = describe_weights(path)
-        elif self.lora is not None:
+        # After a restart the folder on disk is published again as it is, once it matches its manifest.
+        files = await self._verified(path, step) if republish and written.exists() else None
+        if files is None and self.lora is not None:
             files = await asyncio.to_thread(save_adapter, state, path, self.lora)
-        else:
+        elif files is None:
             files = save_weights(state, path, self.cfg.max_shard_mb, host_copy=self.host_copy, config=self.lm_config,
                                  companions=self.config.model.path)
         adapter = None if self.lora is None else f"{self.config.model.lora.resolved_name}-step{step}"
         return WeightUpdate(step=step, format="safetensors", dir=str(path.resolve()), files=files, adapter=adapter)
+
+    async def _verified(self, path, step: int):
+        """The files of a folder written before a restart, checked against its manifest; None when it does not match
+        (damaged, or written before manifests were): it is then rewritten from the restored state."""
+        try:
+            return await asyncio.to_thread(verified_weights, path)
+        except (OSError, ValueError) as e:
+            self.log.warning("weights_rewritten", step=step, dir=str(path), reason=str(e))
+            return None
 
     async def _prune(self, step: int) -> None:
         await self.tracker.refresh()

@@ -169,6 +169,11 @@ class InferenceConfig(Section):
     max_model_len: int = Field(2048, ge=16)
     """Longest prompt + completion the server accepts."""
 
+    max_queued_sequences: int = Field(4096, ge=1)
+    """Built-in server: sequences (prompts × ``n``) that may wait for a batch slot beyond the running batch; a
+    request that would queue more is answered 429 with ``Retry-After`` (the client retries), one asking for more
+    than this on its own 400. Bounds what a flood of requests costs (~4 KB per one-token sequence)."""
+
     num_threads: int | None = Field(None, ge=1)
     """torch CPU threads of the server (vLLM: its OpenMP threads, its worker then not pinned to cores); None = the
     share ``rlbus run`` assigns (a server started on its own keeps the environment's settings)."""
@@ -180,7 +185,9 @@ class InferenceConfig(Section):
     """Client retries (with exponential backoff) of a failed request."""
 
     api_key_var: str | None = None
-    """Environment variable holding the API key sent as a bearer token."""
+    """Environment variable holding the API key (never the key itself: the TOML may be shared): the clients send it
+    as ``Authorization: Bearer KEY``, and the servers ``rlbus inference`` starts (built-in, or vLLM as its
+    ``--api-key``) refuse a ``/v1`` request without it (401; ``/health`` stays open). None: no key."""
 
     headers_from_env: dict[str, str] = Field(default_factory=dict)
     """HTTP header name → environment variable holding its value."""

@@ -1,5 +1,6 @@
 """Weights on disk: round trip, shards, an untied head."""
 
+import pytest
 import torch
 
 from tests.trainer.helpers import tiny_lm
@@ -66,3 +67,23 @@ def test_saves_killed_midway_are_removed_and_finished_ones_kept(tmp_path):
     assert remove_interrupted_saves(tmp_path / "weights") == [half]
     assert not half.exists() and (done / "model.safetensors.index.json").exists()
     assert remove_interrupted_saves(tmp_path / "no-such-dir") == []
+
+
+def test_a_damaged_folder_fails_its_manifest_check_before_it_is_published_again(tmp_path):
+    """After a restart the trainer re-publishes the newest folder; it used to hash whatever was on disk (damage
+    included) into the event. The manifest written with the folder catches the damage, and the trainer rewrites it."""
+    from trainer.weights import MANIFEST_NAME, describe_weights, save_weights, verified_weights
+
+    model = tiny_lm()
+    files = save_weights(model, tmp_path / "step_1")
+    assert verified_weights(tmp_path / "step_1") == files
+    shard = tmp_path / "step_1" / files[0].name
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert describe_weights(tmp_path / "step_1") != files  # the old road: the damage's own sha256
+    with pytest.raises(ValueError, match="does not match"):
+        verified_weights(tmp_path / "step_1")
+    (tmp_path / "step_1" / MANIFEST_NAME).unlink()
+    with pytest.raises(ValueError, match=MANIFEST_NAME):
+        verified_weights(tmp_path / "step_1")

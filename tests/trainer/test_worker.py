@@ -77,6 +77,30 @@ def test_resume_matches_straight_run_and_publishes_versions(tmp_path, redis_url,
         assert torch.allclose(tensor, b[name], atol=1e-6, rtol=0), name
 
 
+def test_a_damaged_weights_folder_is_rewritten_not_republished_after_a_restart(tmp_path, redis_url, bus, run_name):
+    """The trainer re-publishes its newest weights when it resumes. It used to hash whatever lay in the folder, damage
+    included, so the event matched the damage and every server that loaded it failed; now the folder is checked
+    against the manifest written with it, and rewritten from the checkpoint (``weights_rewritten``)."""
+    from structlog.testing import capture_logs
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    asyncio.run(publish_steps(bus, range(1, 4)))
+    train(make_config(redis_url, run_name, tmp_path / "r", model_dir, run={"max_steps": 2}))
+    folder = tmp_path / "r" / "weights" / "step_2"
+    good = {name: t.clone() for name, t in read_weights(folder).items()}  # not a view of the file (mmap)
+    shard = next(folder.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a torn write, a bad disk
+    with capture_logs() as logs:
+        train(make_config(redis_url, run_name, tmp_path / "r", model_dir, run={"max_steps": 3},
+                          ckpt={"resume_step": -1}))
+    assert any(e["event"] == "weights_rewritten" and e["step"] == 2 for e in logs)
+    republished = [w for w in asyncio.run(stream(bus, lambda k: k.weights())) if isinstance(w, WeightUpdate)]
+    event = [w for w in republished if w.step == 2][-1]
+    verify_weights(event.dir, event.files)
+    for name, tensor in read_weights(event.dir).items():
+        assert torch.equal(tensor, good[name]), name
+
+
 def test_two_spawned_ranks_match_one_rank(tmp_path, redis_url, bus, run_name):
     model_dir = save_tiny_model(tmp_path / "model")
     asyncio.run(publish_steps(bus, [1], count=4))

@@ -2,7 +2,11 @@
 
 Requests go round-robin over ``base_urls``; a group of samples is pinned to one server by passing
 ``server_index=client.pick_server()`` to each call. Connection errors, timeouts, 429 and 5xx are
-retried with exponential backoff (on the next server after the first retry); other 4xx fail at once.
+retried with exponential backoff (on the next server after the first retry); other 4xx fail at once
+(401/403 as :class:`InferenceAuthError`, a configuration error).
+
+When every retry fails the servers are down, not the request bad: :class:`InferenceUnavailableError`, which a
+caller waits out with :class:`OutageHold` (the rollout worker holds its task) instead of failing the task.
 """
 
 import asyncio
@@ -22,8 +26,56 @@ class InferenceRequestError(RlbusError):
     """The server rejected the request (4xx); retrying will not help."""
 
 
+class InferenceAuthError(InferenceRequestError, ConfigError):
+    """The server refused the API key (401/403): every request will fail alike until the key is fixed."""
+
+
 class InferenceUnavailableError(RetryableError):
     """No server answered after every retry."""
+
+
+HOLD_FIRST_S = 1.0
+"""First wait of an :class:`OutageHold` (doubled per failed try)."""
+HOLD_MAX_S = 10.0
+"""Longest wait between two tries of an :class:`OutageHold` (a recovered server is found within this)."""
+
+
+class OutageHold:
+    """Waiting out servers that do not answer: backoff from :data:`HOLD_FIRST_S` doubling to :data:`HOLD_MAX_S`, an
+    ``inference_unreachable`` event per wait and ``inference_recovered`` once they answer, with the time held."""
+
+    def __init__(self, log: Any):
+        self.log = log
+        self.waits = 0
+        self._since: float | None = None
+        self._until: float | None = None
+
+    @property
+    def held_s(self) -> float:
+        """Seconds from the first failure to the recovery (or now; 0 when none)."""
+        if self._since is None:
+            return 0.0
+        return (self._until or asyncio.get_running_loop().time()) - self._since
+
+    async def wait(self, error: Exception, stop: asyncio.Event) -> bool:
+        """Wait before the next try; False when ``stop`` came first."""
+        if self._since is None:
+            self._since = asyncio.get_running_loop().time()
+        delay = min(HOLD_MAX_S, HOLD_FIRST_S * 2**self.waits)
+        self.waits += 1
+        self.log.warning("inference_unreachable", waits=self.waits, held_s=round(self.held_s, 1), retry_in_s=delay,
+                         error=str(error)[:300])
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=delay)
+            return False
+        except TimeoutError:
+            return True
+
+    def recovered(self) -> None:
+        """The servers answered again (the held time stops here)."""
+        if self.waits:
+            self._until = asyncio.get_running_loop().time()
+            self.log.info("inference_recovered", held_s=round(self.held_s, 1), waits=self.waits)
 
 
 @dataclass
@@ -139,6 +191,9 @@ class InferenceClient:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
             if resp.status == 429 or resp.status >= 500:
                 raise RetryableError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
+            if resp.status in (401, 403):
+                raise InferenceAuthError(f"{url} refused the API key ({resp.status}); set inference.api_key_var to the "
+                                         f"variable holding the server's key: {(await resp.text())[:300]}")
             if resp.status >= 400:
                 raise InferenceRequestError(f"{url} rejected the request ({resp.status}): {(await resp.text())[:500]}")
             return await resp.json()
@@ -152,6 +207,9 @@ class InferenceClient:
             for attempt in range(self.max_retries + 1):
                 try:
                     async with self._get_session().get(url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                        if 400 <= r.status < 500 and r.status != 429:
+                            raise InferenceRequestError(f"{url} refused to list its models ({r.status}): "
+                                                        f"{(await r.text())[:300]}")
                         r.raise_for_status()
                         self._model_names[index] = (await r.json())["data"][0]["id"]
                         break
@@ -168,12 +226,22 @@ class InferenceClient:
         return self._session
 
 
+def api_key(var: str | None) -> str | None:
+    """The API key in environment variable ``var`` (``inference.api_key_var``; None: no key), for the clients that
+    send it and the servers that ask for it."""
+    if not var:
+        return None
+    key = os.environ.get(var)
+    if not key:
+        raise ConfigError(f"inference.api_key_var={var!r} is not set (or empty) in the environment; export the key "
+                          "there, or unset inference.api_key_var to go without one")
+    return key
+
+
 def _headers(api_key_var: str | None, headers_from_env: dict[str, str]) -> dict[str, str]:
     headers = {}
-    if api_key_var:
-        key = os.environ.get(api_key_var)
-        if key is None:
-            raise ConfigError(f"inference.api_key_var={api_key_var!r} is not set in the environment; export it")
+    key = api_key(api_key_var)
+    if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     for name, var in headers_from_env.items():
         value = os.environ.get(var)

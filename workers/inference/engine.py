@@ -8,6 +8,14 @@ finished sequence leaves the batch at once; a new request joins at the next step
 The batch's KV cache is left-aligned: row ``i`` holds its tokens at the right end of the time axis and
 padding (masked out) on the left, so rows of different lengths decode together; columns that are padding
 in every row are trimmed when sequences leave.
+
+Failures: a step (prefill or decode) that raises fails the requests of its batch at once (:class:`EngineStepFailed`,
+a 500 the client may retry), the batch is dropped and the engine goes on with the next requests: the model itself is
+not changed by a forward pass, so the next step starts clean. :data:`FAILURES_IN_A_ROW` failed steps with no good one
+between them mean a broken device (a CUDA error poisons every later call): the engine thread then ends, failing
+every request it holds, and the server watching it exits so that its supervisor starts a fresh process.
+Queued work is bounded: ``max_queued`` sequences (prompts × ``n``) may wait for a batch slot; past that a request is
+refused whole (:class:`EngineOverloaded`, a 429).
 """
 
 import concurrent.futures
@@ -23,7 +31,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from bus.log import get_logger
+from workers.inference.engine_errors import BadRequest, EngineOverloaded, EngineStepFailed, EngineStopped
 from workers.inference.sampling import RowParams, SamplingParams, sample
+
+FAILURES_IN_A_ROW = 3
+"""Failed steps in a row after which the engine stops (the device is broken; a fresh process is needed)."""
 
 
 @dataclass
@@ -84,7 +97,7 @@ class Engine:
     """Continuous batching over one model; thread-safe ``submit`` and ``call_between_steps``."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch_size: int, max_model_len: int,
-                 eos_token_ids: set[int], policy_version: int = 0):
+                 eos_token_ids: set[int], policy_version: int = 0, max_queued: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -98,6 +111,14 @@ class Engine:
         self.generated_tokens = 0
         self.steps = 0
         self.prefills = 0
+        self.max_queued = max_queued
+        """Sequences that may wait for a batch slot (None: no bound)."""
+        self.queued_sequences = 0
+        """Sequences waiting now."""
+        self.failures = 0
+        """Steps that failed (each failed its batch's requests)."""
+        self._failed_in_row = 0
+        self.log = get_logger(worker="inference-engine")
         self.error: BaseException | None = None
         self._pending: deque[Request] = deque()
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
@@ -134,28 +155,56 @@ class Engine:
                on_token: Callable[[int, int], None] | None = None) -> Request:
         """Queue a request; ``request.future`` resolves to a :class:`Generation`; ``on_token(choice, token)`` sees
         each token as it is sampled (from the engine's thread: hand it over, do not block)."""
+        on_prompt = None if on_token is None else (lambda _, j, t: on_token(j, t))
+        return self.submit_all([prompt_ids], params, on_prompt)[0]
+
+    def submit_all(self, prompts: list[list[int]], params: SamplingParams,
+                   on_token: Callable[[int, int, int], None] | None = None) -> list[Request]:
+        """Queue one request per prompt, all or none (:class:`BadRequest` for what can never be served,
+        :class:`EngineOverloaded` when the queue is full); ``on_token(prompt, choice, token)`` as in :meth:`submit`."""
+        for prompt_ids in prompts:
+            self._check(prompt_ids, params)
+        count = len(prompts) * params.n
+        if self.max_queued is not None and count > self.max_queued:
+            raise BadRequest(f"the request asks for {count} sequences (prompts × n), more than "
+                             f"inference.max_queued_sequences={self.max_queued} can ever queue; split it", "prompt")
+        requests = [Request(list(p), params, concurrent.futures.Future(), choices=[None] * params.n,
+                            on_token=None if on_token is None else (lambda j, t, i=i: on_token(i, j, t)))
+                    for i, p in enumerate(prompts)]
+        with self._cond:
+            if self.error is not None or self._stop:
+                raise EngineStopped(f"inference engine is not running: {self.error!r}")
+            if self.max_queued is not None and self.queued_sequences + count > self.max_queued:
+                raise EngineOverloaded(f"{self.queued_sequences} sequences wait already (inference.max_queued_sequences="
+                                       f"{self.max_queued}); retry later")
+            self._pending.extend(requests)
+            self.queued_sequences += count
+            self._cond.notify()
+        return requests
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise :class:`BadRequest` unless the prompt and parameters fit this model and engine."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty; send at least one token")
+            raise BadRequest("the prompt is empty; send at least one token", "prompt")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room within "
-                             f"max_model_len={self.max_model_len}; shorten it or raise inference.max_model_len")
+            raise BadRequest(f"prompt of {len(prompt_ids)} tokens leaves no room within "
+                             f"max_model_len={self.max_model_len}; shorten it or raise inference.max_model_len", "prompt")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens={params.max_tokens} exceeds "
-                             f"max_model_len={self.max_model_len}; lower max_tokens")
+            raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}; lower max_tokens", "max_tokens")
         if params.n > self.max_batch_size:
-            raise ValueError(f"n={params.n} exceeds inference.max_batch_size={self.max_batch_size}")
+            raise BadRequest(f"n={params.n} exceeds inference.max_batch_size={self.max_batch_size}", "n")
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        request = Request(list(prompt_ids), params, concurrent.futures.Future(), choices=[None] * params.n,
-                          on_token=on_token)
-        with self._cond:
-            if self.error is not None or self._stop:
-                raise RuntimeError(f"inference engine is not running: {self.error!r}")
-            self._pending.append(request)
-            self._cond.notify()
-        return request
+            raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})", "stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and not 0 <= k <= vocab:
+                raise BadRequest(f"{name}={k} is outside [0, {vocab}] (the vocabulary)", name)
 
     def call_between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the engine thread between two decode steps (e.g. load new weights in place)."""
@@ -168,6 +217,7 @@ class Engine:
     # Engine thread.
 
     def _loop(self) -> None:
+        new: list[Request] = []
         try:
             with torch.inference_mode():
                 while True:
@@ -177,16 +227,43 @@ class Engine:
                     for fn, future in calls:
                         _run_call(fn, future)
                     self._drop_cancelled()
-                    if new:
-                        self._prefill(new)
-                    if self._seqs:
-                        self._decode()
+                    try:
+                        if new:
+                            self._prefill(new)
+                        if self._seqs:
+                            self._decode()
+                        self._failed_in_row = 0
+                    except Exception as e:  # the step's requests fail; the engine goes on (or stops, see below)
+                        self._step_failed(e, new)
         except BaseException as e:  # the engine is dead: fail every waiting request
             self.error = e
-            for request in [s.request for s in self._seqs] + list(self._pending):
-                if not request.future.done():
-                    request.future.set_exception(RuntimeError(f"inference engine failed: {e!r}"))
-            raise
+            self.log.error("engine_stopped", error=repr(e), failures=self.failures)
+            with self._cond:
+                waiting = list(self._pending)
+                self._pending.clear()
+                self.queued_sequences = 0
+            self._fail([s.request for s in self._seqs] + new + waiting, RuntimeError(f"inference engine failed: {e!r}"))
+            # The thread ends here (logged, kept in ``error``); the server's watcher sees it and exits.
+
+    def _step_failed(self, error: Exception, new: list[Request]) -> None:
+        """Fail the requests of the batch (new and running), drop the batch; re-raise after too many in a row."""
+        requests = list({id(r): r for r in new + [s.request for s in self._seqs]}.values())
+        self.failures += 1
+        self._failed_in_row += 1
+        self._reset_batch()
+        self._fail(requests, EngineStepFailed(f"the inference engine failed on this request's batch: {error!r}; "
+                                              "the batch was dropped, retry"))
+        self.log.error("engine_step_failed", error=repr(error), requests=len(requests), failures=self.failures,
+                       in_a_row=self._failed_in_row)
+        if self._failed_in_row >= FAILURES_IN_A_ROW:
+            raise RuntimeError(f"{self._failed_in_row} engine steps failed in a row, the last with {error!r}; "
+                               "the device looks broken") from error
+
+    @staticmethod
+    def _fail(requests: list[Request], error: Exception) -> None:
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(error)
 
     def _wait_for_work(self) -> tuple[list | None, list[Request]]:
         with self._cond:
@@ -200,6 +277,7 @@ class Engine:
             room = self.max_batch_size - len(self._seqs)
             while self._pending and self._pending[0].params.n <= room:
                 request = self._pending.popleft()
+                self.queued_sequences -= request.params.n
                 if request.cancelled:
                     continue
                 new.append(request)
@@ -297,12 +375,13 @@ class Engine:
                 seq.tops.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
             choice = self._finished(seq)
             if choice is not None:
-                done.append(offset + i)
-                self._complete(seq, choice)
+                done.append((offset + i, seq, choice))
             elif seq.request.on_token is not None:
                 seq.request.on_token(seq.index, token_list[i])
-        if done:
-            self._remove(set(done))
+        if done:  # out of the batch before their callers hear of it, so ``active`` never counts a finished one
+            self._remove({i for i, _, _ in done})
+            for _, seq, choice in done:
+                self._complete(seq, choice)
 
     def _finished(self, seq: _Seq) -> Choice | None:
         p = seq.request.params
@@ -381,7 +460,7 @@ def _pad_time(x: torch.Tensor, width: int) -> torch.Tensor:
 def _generator(seed: int | None, index: int) -> torch.Generator | None:
     if seed is None:
         return None
-    return torch.Generator().manual_seed(seed + index)
+    return torch.Generator().manual_seed((seed + index) % 2**64)  # any int64 seed, + index, wraps
 
 
 def _prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list[dict[int, tuple[float, int]] | None]:

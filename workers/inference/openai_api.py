@@ -8,6 +8,7 @@ and ``prompt_logprobs`` (first entry null, then ``{"<id>": {"logprob", "rank", "
 top-level ``policy_version`` (the weights version when generation started) and ``policy_version_end``.
 """
 
+import math
 import time
 import uuid
 from functools import lru_cache
@@ -16,79 +17,143 @@ from typing import Any
 from workers.inference.engine import Choice, Generation
 from workers.inference.sampling import SamplingParams
 
+MAX_LOGPROBS = 20
+"""Most top logprobs (``logprobs``, ``top_logprobs``, ``prompt_logprobs``) a request may ask (vLLM's default
+``max_logprobs``)."""
+MAX_TEMPERATURE = 100.0
+"""Highest ``temperature`` accepted (past it every token is about equally likely)."""
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""``seed`` must fit a signed 64-bit integer (vLLM's bound)."""
+MAX_STOPS = 64
+"""Most ``stop`` strings, and (×16) ``stop_token_ids``, a request may give: each is checked at every step of its
+rows, so an unbounded list slows the whole batch."""
+
 
 class ApiError(Exception):
-    """A request the server rejects; becomes an OpenAI-style error body with ``status``."""
+    """A request the server rejects; becomes an OpenAI-style error body with ``status`` and ``param`` (the request
+    field at fault, if one is)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param
+        self.headers = headers or {}
 
 
 def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
-    """The sampling parameters of a request body (vLLM defaults where a field is absent)."""
+    """The sampling parameters of a request body (vLLM defaults where a field is absent); every field is checked for
+    its type and range here, so nothing out of range reaches the engine (an ApiError names the field)."""
     if body.get("stream"):
         given = [k for k in ("logprobs", "prompt_logprobs", "return_token_ids") if body.get(k)]
         if given:
             raise ApiError(f"stream=true streams text only; drop {', '.join(given)} or send stream=false")
-    stop = body.get("stop") or ()
-    logprobs = body.get("logprobs")
     if chat:
-        logprobs = int(body.get("top_logprobs") or 0) if logprobs else None
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        logprobs = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS) if _bool(body, "logprobs") else None
+        tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _int(body, tokens_name, None, 1, None)
     else:
-        logprobs = None if logprobs is None else int(logprobs)
-        max_tokens = body.get("max_tokens", 16)
-    params = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, low=0.0),
-        top_p=_number(body, "top_p", 1.0, low=0.0),
-        top_k=int(_number(body, "top_k", -1, low=-1)),
-        min_p=_number(body, "min_p", 0.0, low=0.0),
-        max_tokens=None if max_tokens is None else int(_number({"max_tokens": max_tokens}, "max_tokens", 16, low=1)),
-        min_tokens=int(_number(body, "min_tokens", 0, low=0)),
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        seed=None if body.get("seed") is None else int(body["seed"]),
-        n=int(_number(body, "n", 1, low=1)),
+        logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+        max_tokens = _int(body, "max_tokens", None, 1, None) if "max_tokens" in body else 16  # null: no cap
+        tokens_name = "max_tokens"
+    min_tokens = _int(body, "min_tokens", 0, 0, None)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ApiError(f"min_tokens={min_tokens} is above {tokens_name}={max_tokens}", param="min_tokens")
+    return SamplingParams(
+        temperature=_float(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        top_k=_int(body, "top_k", -1, -1, None),
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop=_stop(body.get("stop")),
+        stop_token_ids=tuple(_int({"stop_token_ids": t}, "stop_token_ids", 0, 0, None)
+                             for t in _list(body, "stop_token_ids", 16 * MAX_STOPS)),
+        ignore_eos=_bool(body, "ignore_eos"),
+        seed=_int(body, "seed", None, *SEED_RANGE),
+        n=_int(body, "n", 1, 1, None),
         logprobs=logprobs,
-        prompt_logprobs=None if body.get("prompt_logprobs") is None else int(body["prompt_logprobs"]),
+        prompt_logprobs=_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
     )
-    if params.top_p == 0 or params.top_p > 1:
-        raise ApiError(f"top_p={params.top_p} must be in (0, 1]")
-    if params.min_p > 1:
-        raise ApiError(f"min_p={params.min_p} must be in [0, 1]")
-    return params
 
 
-def _number(body: dict[str, Any], name: str, default: float, *, low: float) -> float:
+def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int | None) -> int | None:
+    """``body[name]`` as an int in [low, high] (None or absent: ``default``)."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError(f"{name}={value!r} is not a number")
-    if value < low:
-        raise ApiError(f"{name}={value} is below its minimum {low}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(f"{name}={value!r} is not an integer", param=name)
+    if value < low or (high is not None and value > high):
+        raise ApiError(f"{name}={value} is outside [{low}, {'∞' if high is None else high}]", param=name)
     return value
 
 
+def _float(body: dict[str, Any], name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+    """``body[name]`` as a finite number in [low, high] ((low, high] with ``open_low``)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ApiError(f"{name}={value!r} is not a finite number", param=name)
+    if value < low or value > high or (open_low and value == low):
+        raise ApiError(f"{name}={value} is outside {'(' if open_low else '['}{low}, {high}]", param=name)
+    return float(value)
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(f"{name}={value!r} is not true or false", param=name)
+    return value
+
+
+def _list(body: dict[str, Any], name: str, most: int) -> list:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ApiError(f"{name} must be a list, got {type(value).__name__}", param=name)
+    if len(value) > most:
+        raise ApiError(f"{name} has {len(value)} entries, more than the {most} accepted", param=name)
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    """``stop``: a string or a list of non-empty strings."""
+    stops = [value] if isinstance(value, str) else _list({"stop": value}, "stop", MAX_STOPS)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(f"stop={value!r} must be a non-empty string or a list of them", param="stop")
+    return tuple(stops)
+
+
 def completion_prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
-    """The token ids of each prompt of a completion request."""
+    """The token ids of each prompt of a completion request (ids are checked against the vocabulary by the engine)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt, add_special_tokens=True)]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         return [p if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=True) for p in prompt]
-    raise ApiError("prompt must be a string, a list of token ids, or a list of those")
+    raise ApiError("prompt must be a string, a list of token ids, or a list of those", param="prompt")
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_id(t) for t in value)
 
 
 def chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
     """The token ids of a chat request's messages under the model's chat template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError("messages must be a non-empty list of {role, content} objects")
+        raise ApiError("messages must be a non-empty list of {role, content} objects", param="messages")
     try:
         return list(tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=False,
@@ -96,7 +161,7 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
             continue_final_message=body.get("continue_final_message", False),
         ))
     except Exception as e:  # template errors name the problem; they are the caller's
-        raise ApiError(f"chat template failed on these messages: {e}") from e
+        raise ApiError(f"chat template failed on these messages: {e}", param="messages") from e
 
 
 class Renderer:
@@ -185,8 +250,9 @@ class Renderer:
         } for entry in gen.prompt_logprobs]
 
 
-def error_body(message: str, status: int, policy_version: int) -> dict[str, Any]:
+def error_body(message: str, status: int, policy_version: int, param: str | None = None) -> dict[str, Any]:
     """vLLM's error shape, plus the policy version."""
-    kind = "BadRequestError" if status < 500 else "InternalServerError"
-    return {"error": {"message": message, "type": kind, "param": None, "code": status},
+    kind = {401: "AuthenticationError", 429: "RateLimitError"}.get(status, "BadRequestError")
+    kind = kind if status < 500 else "InternalServerError"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status},
             "policy_version": policy_version}

@@ -4,6 +4,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also with 
 events as the tokens are sampled), ``GET /v1/models``, ``GET /health``.
 Every JSON response carries ``policy_version``. With ``redis.url`` set the server follows ``weights``
 and publishes ``served``; without it, it serves the model at ``model.path`` as version 0.
+
+Refusals: a parameter out of range is a 400 naming it (``error.param``); a full queue
+(``inference.max_queued_sequences``) a 429 and a stopped engine a 503, both with ``Retry-After``; a failed engine
+step a 500 (retry); a missing API key a 401 (:mod:`workers.inference.guard`). A client that disconnects frees its
+batch rows at the next step. A weights update that fails to load leaves the last good weights serving.
 """
 
 import argparse
@@ -25,7 +30,10 @@ from trainer.model import resolve_dtype
 from trainer.weights import load_tensors_into, read_weights
 from workers.config import RlbusConfig
 from workers.inference import prometheus
+from workers.inference.client import api_key
 from workers.inference.engine import Engine
+from workers.inference.engine_errors import BadRequest, EngineOverloaded, EngineStepFailed, EngineStopped
+from workers.inference.guard import Counts, CountsReporter, auth_middleware
 from workers.inference.openai_api import (
     ApiError,
     Renderer,
@@ -37,6 +45,11 @@ from workers.inference.openai_api import (
 from workers.inference.streaming import DONE, ChunkWriter, TextDelta
 from workers.inference.weights_follower import WeightsFollower
 from workers.lifecycle import connect_bus, run_until_first, run_worker
+
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 429 (queue full) or 503 (engine stopped; the supervisor restarts the server)."""
+REFUSED = {400: "rejected_bad_request", 429: "rejected_overloaded", 503: "rejected_engine_stopped"}
+"""The count each refusal status adds to (a 500 is counted by the engine as a failed step)."""
 
 
 class InferenceServer:
@@ -52,12 +65,14 @@ class InferenceServer:
         self.follower: Any = None
         self._runner: web.AppRunner | None = None
         self._registry = None
+        self.counts = Counts()
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
         self._stop.set()
 
     async def setup(self) -> None:
+        key = api_key(self.config.inference.api_key_var)  # before the model loads: a missing key fails at once
         self.engine = await asyncio.to_thread(self._build_engine)
         self.engine.start()
         self.renderer = Renderer(self.engine.tokenizer, self.config.model.path)
@@ -65,7 +80,8 @@ class InferenceServer:
             await self._setup_follower()
         else:
             self.log.warning("weights_follow_disabled", reason="redis.url is not set; serving model.path as version 0")
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024,
+                              middlewares=[auth_middleware(key, self.counts, lambda: self.engine.policy_version)])
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -73,11 +89,12 @@ class InferenceServer:
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
         ])
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, which frees the request's rows.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
         self.log.info("server_ready", host=self.host, port=self.port, model=self.config.model.path,
-                      policy_version=self.engine.policy_version)
+                      policy_version=self.engine.policy_version, api_key=key is not None)
 
     def _build_engine(self):
         hf_logging.disable_progress_bar()
@@ -88,7 +105,7 @@ class InferenceServer:
         model = AutoModelForCausalLM.from_pretrained(self.config.model.path, dtype=dtype).to(device).eval()
         eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
         return Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len,
-                      eos_token_ids={t for t in eos if t is not None})
+                      eos_token_ids={t for t in eos if t is not None}, max_queued=cfg.max_queued_sequences)
 
     async def _setup_follower(self) -> None:
         self.bus = await connect_bus(self.config, f"inference-{self.server_id}")
@@ -119,7 +136,15 @@ class InferenceServer:
         await asyncio.wrap_future(self.engine.call_between_steps(load))
 
     async def run(self) -> None:
-        await run_until_first(self._stop, self._watch_engine(), *([self.follower.run()] if self.follower else []))
+        reporter = CountsReporter(self.counts, self.bus, self.log, self._counted_elsewhere)
+        await run_until_first(self._stop, self._watch_engine(), reporter.run(),
+                              *([self.follower.run()] if self.follower else []))
+
+    def _counted_elsewhere(self) -> dict[str, int]:
+        counts = {"engine_step_failed": self.engine.failures}
+        if self.follower is not None:
+            counts["weights_load_failed"] = self.follower.failed_loads
+        return counts
 
     async def _watch_engine(self) -> None:
         while self.engine.alive:
@@ -144,8 +169,7 @@ class InferenceServer:
             prompts = completion_prompts(body, self.engine.tokenizer)
             if body.get("stream"):
                 return await self._stream(request, body, prompts, params, chat=False)
-            gens = await asyncio.gather(*(self._generate(p, params) for p in prompts))
-            return self.renderer.completion(list(gens), body)
+            return self.renderer.completion(await self._generate(prompts, params), body)
 
         return await self._respond(request, handle)
 
@@ -155,8 +179,7 @@ class InferenceServer:
             prompt = chat_prompt(body, self.engine.tokenizer)
             if body.get("stream"):
                 return await self._stream(request, body, [prompt], params, chat=True)
-            gen = await self._generate(prompt, params)
-            return self.renderer.chat(gen, body)
+            return self.renderer.chat((await self._generate([prompt], params))[0], body)
 
         return await self._respond(request, handle)
 
@@ -173,7 +196,9 @@ class InferenceServer:
     async def health(self, request: web.Request) -> web.Response:
         ok = self.engine.alive
         return web.json_response({"status": "ok" if ok else "engine_dead", "policy_version": self.engine.policy_version,
-                                  "active": self.engine.active, "steps": self.engine.steps,
+                                  "active": self.engine.active, "queued": self.engine.queued_sequences,
+                                  "counts": {**self.counts.totals, **self._counted_elsewhere()},
+                                  "steps": self.engine.steps,
                                   "prefills": self.engine.prefills,
                                   "generated_tokens": self.engine.generated_tokens}, status=200 if ok else 503)
 
@@ -182,15 +207,8 @@ class InferenceServer:
         """Server-sent events of every choice's text as the engine samples it (see :mod:`streaming`)."""
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
-        handles = []
-        try:
-            for p, prompt_ids in enumerate(prompts):
-                handles.append(self.engine.submit(prompt_ids, params, on_token=lambda j, t, p=p: (
-                    loop.call_soon_threadsafe(tokens.put_nowait, (p * params.n + j, t)))))
-        except ValueError as e:
-            for handle in handles:
-                handle.cancelled = True
-            raise ApiError(str(e)) from e
+        handles = self._submit(prompts, params, on_token=lambda p, j, t: (
+            loop.call_soon_threadsafe(tokens.put_nowait, (p * params.n + j, t))))
         writer = ChunkWriter(self.config.model.path, chat, self.engine.policy_version)
         deltas = [TextDelta(self.engine.tokenizer, params.stop) for _ in range(len(prompts) * params.n)]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -218,24 +236,43 @@ class InferenceServer:
                                                   sum(len(c.token_ids) for c in choices)))
             await response.write(DONE)
         except (ConnectionResetError, asyncio.CancelledError):
-            for handle in handles:
-                handle.cancelled = True  # the client went away: free its batch rows
+            self._client_gone(handles)
             done.cancel()
             if next_token is not None:
                 next_token.cancel()
             raise
         return response
 
-    async def _generate(self, prompt_ids: list[int], params):
+    def _submit(self, prompts: list[list[int]], params, on_token=None) -> list:
+        """Queue every prompt of a request, or refuse it whole (400, 429 or 503)."""
         try:
-            handle = self.engine.submit(prompt_ids, params)
-        except ValueError as e:
-            raise ApiError(str(e)) from e
+            return self.engine.submit_all(prompts, params, on_token)
+        except BadRequest as e:
+            raise ApiError(str(e), param=e.param) from e
+        except EngineOverloaded as e:
+            raise ApiError(str(e), 429, headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except EngineStopped as e:
+            raise ApiError(str(e), 503, headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+
+    async def _generate(self, prompts: list[list[int]], params) -> list:
+        """Every prompt's generation; a failed engine step is a 500 (retry), a stopped engine a 503."""
+        handles = self._submit(prompts, params)
         try:
-            return await asyncio.wrap_future(handle.future)
+            return list(await asyncio.gather(*(asyncio.wrap_future(h.future) for h in handles)))
         except asyncio.CancelledError:
-            handle.cancelled = True  # the client went away: free its batch rows
+            self._client_gone(handles)
             raise
+        except EngineStepFailed as e:
+            raise ApiError(str(e), 500) from e
+        except RuntimeError as e:  # the engine stopped while the request waited
+            raise ApiError(str(e), 503, headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+
+    def _client_gone(self, handles: list) -> None:
+        """The client went away: its rows leave the batch at the next step."""
+        for handle in handles:
+            handle.cancelled = True
+        self.counts.add("requests_disconnected")
+        self.log.info("request_disconnected", sequences=sum(h.params.n for h in handles))
 
     async def _respond(self, request: web.Request, handle) -> web.Response:
         try:
@@ -245,9 +282,14 @@ class InferenceServer:
             out = await handle(body)
             return out if isinstance(out, web.StreamResponse) else web.json_response(out)
         except json.JSONDecodeError as e:
+            self.counts.add("rejected_bad_request")
             return web.json_response(error_body(f"invalid JSON body: {e}", 400, self.engine.policy_version), status=400)
         except ApiError as e:
-            return web.json_response(error_body(str(e), e.status, self.engine.policy_version), status=e.status)
+            if e.status in REFUSED:
+                self.counts.add(REFUSED[e.status])
+            self.log.debug("request_refused", status=e.status, param=e.param, error=str(e))
+            return web.json_response(error_body(str(e), e.status, self.engine.policy_version, e.param),
+                                     status=e.status, headers=e.headers)
 
 
 def _as_list(value) -> list:

@@ -37,6 +37,7 @@ from bus.messages import WeightUpdate
 from bus.policy import server_stopped
 from bus.weight_files import weights_root
 from workers.config import RlbusConfig
+from workers.inference.client import api_key
 from workers.inference.weights_follower import WeightsFollower
 from workers.lifecycle import connect_bus, run_until_first, run_worker
 
@@ -120,6 +121,9 @@ def vllm_env(config: RlbusConfig) -> dict[str, str]:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if config.model.lora is not None:
         env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # /v1/load_lora_adapter
+    key = api_key(config.inference.api_key_var)
+    if key is not None:
+        env["VLLM_API_KEY"] = key  # vLLM's --api-key, kept out of the command line (ps shows argv)
     return env
 
 
@@ -144,7 +148,9 @@ class VllmServer:
 
     async def setup(self, ready_timeout_s: float = 600.0) -> None:
         self.proc = subprocess.Popen(self.cmd, env=self.env)
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+        key = self.env.get("VLLM_API_KEY")
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                             headers={"Authorization": f"Bearer {key}"} if key else None)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ready_timeout_s
         while not await self._healthy():

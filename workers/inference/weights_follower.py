@@ -52,6 +52,8 @@ class WeightsFollower:
         self.keep_adapters = keep_adapters
         """LoRA: at startup, load this many of the newest adapter versions (vLLM serves them side by side)."""
         self.last_id = "0"
+        self.failed_loads = 0
+        """Updates that failed to load (the last good weights kept serving)."""
         self.log = get_logger(worker="inference", server=server_id, run=bus.keys.run)
 
     async def start(self) -> None:
@@ -137,9 +139,13 @@ class WeightsFollower:
             if event.format == "safetensors":
                 await self._check(event)
             await self.apply(event)
-        except (FileNotFoundError, ValueError) as e:
-            # A pruned or mismatched directory: the next update replaces it.
-            self.log.error("weights_load_failed", step=event.step, format=event.format, dir=event.dir, error=str(e))
+        except Exception as e:  # the one boundary of a load: keep serving the last good weights
+            if event.format != "safetensors" and not isinstance(e, FileNotFoundError | ValueError):
+                raise  # a broadcast that broke midway leaves its collective unusable: a fresh process rejoins
+            # A pruned, mismatched or unreadable directory: the next update replaces it.
+            self.failed_loads += 1
+            self.log.error("weights_load_failed", step=event.step, format=event.format, dir=event.dir,
+                           error=f"{type(e).__name__}: {e}", serving=self.step, failed_loads=self.failed_loads)
             return False
         self.step = event.step
         self.log.info("weights_loaded", step=event.step, format=event.format,

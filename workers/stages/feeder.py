@@ -48,7 +48,7 @@ from workers.lifecycle import connect_bus, consumer_name, run_worker
 ISSUE_BATCH = 64
 """Most tasks one commit issues (a step's worth of one-sample SFT groups in two commits)."""
 
-NEVER_RELEASE = frozenset({b"rollout", b"trainer", b"eval"})
+NEVER_RELEASE = frozenset({b"rollout", b"trainer", b"eval", b"inference"})
 """``source`` of the metrics entries that never come with a release (the rollout worker's one per group, say): the
 feeder blocks on past them without re-reading the count. Any other entry (a dead letter has no ``source``) wakes it."""
 WAKE_READ_COUNT = 1000

@@ -10,7 +10,10 @@ bounds how many training tasks can wait.
 
 - Failures: an attempt that raises is retried ``env.max_retries`` times, ``rollout.retry_delay_s``
   apart; then the task goes to ``dead`` with the error, and ``inflight`` drops by its group size,
-  in one MULTI.
+  in one MULTI. Inference servers that do not answer (refused, timed out, 5xx, 429) are the
+  infrastructure's fault, not the task's: the task is held (still claimed) and retried with backoff until
+  they answer (:class:`~workers.inference.client.OutageHold`, ``rollout/inference_wait_s``), without using up
+  its attempts; a wrong API key crashes the worker instead of dead-lettering every task.
 - Crashes: while a group runs, the worker re-claims its task every ``claim_idle_ms / 3``
   (XCLAIM JUSTID) so the task never looks idle; a worker killed with ``kill -9`` stops doing so
   and another worker takes the task over (``Bus.reclaim``) after ``redis.claim_idle_ms``.
@@ -34,7 +37,7 @@ from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.env_config import EnvConfig, EvalEnvConfig, SamplingConfig
 from workers.envs.server import EnvHandle
-from workers.inference.client import InferenceClient
+from workers.inference.client import InferenceClient, InferenceUnavailableError, OutageHold
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 from workers.stages.episode import AnswerRunner, ChatTokens, GroupRunner, chat_answers, reference_answers
 from workers.stages.gate import StalenessGate
@@ -201,8 +204,8 @@ class RolloutWorker:
             return
         started = time.monotonic()
         log = self.log.bind(task_id=task.task_id, env=task.env)
-        error = None
-        for attempt in range(env.max_retries + 1):
+        error, attempt, outage = None, 0, OutageHold(log)
+        while attempt <= env.max_retries:
             wait_gate_s = 0.0
             if task.mode != "sft":  # a teacher's or a reference's answer does not depend on the policy's version
                 self._gated += 1
@@ -221,23 +224,34 @@ class RolloutWorker:
                     samples, timings = await runner.run(task, self.handles[task.env], self._sampling(env),
                                                         env.max_turns, env.max_total_completion_tokens)
                 break
+            except InferenceUnavailableError as e:  # the servers are down, not the task bad: hold it
+                if not await outage.wait(e, self._stop):
+                    await self._hand_back(entry, task)
+                    log.info("task_handed_back", reason="stopping while the inference servers do not answer")
+                    return
+            except ConfigError:
+                raise  # a wrong API key: every task would fail alike
             except Exception as e:  # the one boundary: retry, then dead-letter
                 error = f"{type(e).__name__}: {e}"
                 if limit.expired():
                     error = f"TimeoutError: the rollout took longer than rollout_timeout_s={env.rollout_timeout_s}"
                 log.warning("rollout_failed", attempt=attempt + 1, max_retries=env.max_retries, error=error)
-                if attempt < env.max_retries:
+                attempt += 1
+                if attempt <= env.max_retries:
                     await asyncio.sleep(self.config.rollout.retry_delay_s)
         else:
             await self._dead_letter(entry, task, f"{error} (after {env.max_retries + 1} attempts)")
             return
-        timings = {**timings, "wait_gate_s": wait_gate_s, "total_s": time.monotonic() - started}
+        outage.recovered()
+        timings = {**timings, "wait_gate_s": wait_gate_s, "inference_wait_s": outage.held_s,
+                   "total_s": time.monotonic() - started}
         group = RolloutGroup(task_id=task.task_id, env=task.env, example_id=task.example_id,
                              example_index=task.example_index, epoch=task.epoch, mode=task.mode, samples=samples,
                              eval_step=task.eval_step, timings=timings)
         generated = sum(int(s.loss_mask.sum()) for s in samples)
         metric = Metric(source="rollout", values={"tokens_generated": float(generated), "group_s": timings["total_s"],
                                                   "wait_gate_s": wait_gate_s,
+                                                  "rollout/inference_wait_s": outage.held_s,
                                                   "rollout/train_groups": float(task.eval_step is None)})
         try:
             await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)],

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from workers.inference.engine import Engine
+from workers.inference.engine import FAILURES_IN_A_ROW, Engine
+from workers.inference.engine_errors import EngineOverloaded, EngineStepFailed, EngineStopped
 from workers.inference.sampling import SamplingParams
 
 
@@ -46,3 +47,72 @@ def test_engine_rejects_what_cannot_fit(engine):
 
 def test_engine_applies_calls_between_steps(engine):
     assert engine.call_between_steps(lambda: 41 + 1).result(timeout=10) == 42
+
+
+def _fresh_engine(engine, **kw) -> Engine:
+    """A second engine over the module's model and tokenizer (these tests break or fill it)."""
+    eng = Engine(engine.model, engine.tokenizer, max_batch_size=4, max_model_len=128, eos_token_ids={258}, **kw)
+    eng.start()
+    return eng
+
+
+def _fail_forward(monkeypatch, eng: Engine, times: int) -> list[int]:
+    """The next ``times`` forward passes of ``eng`` raise (a device error, say); returns the call count."""
+    calls = [0]
+    forward = eng.model.forward
+
+    def broken(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] <= times:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(eng.model, "forward", broken)
+    return calls
+
+
+def test_a_failed_prefill_fails_its_requests_at_once_and_the_engine_goes_on(engine, monkeypatch):
+    """It used to leave the prefilled requests waiting forever (and the engine dead)."""
+    eng = _fresh_engine(engine)
+    try:
+        _fail_forward(monkeypatch, eng, times=1)
+        handle = eng.submit([65, 66], SamplingParams(max_tokens=4))
+        with pytest.raises(EngineStepFailed, match="illegal memory access"):
+            handle.future.result(timeout=10)
+        assert eng.alive and eng.failures == 1
+        again = eng.submit([65, 66], SamplingParams(max_tokens=4, ignore_eos=True)).future.result(timeout=30)
+        assert len(again.choices[0].token_ids) == 4
+    finally:
+        eng.stop()
+
+
+def test_an_engine_that_keeps_failing_stops_and_fails_every_request(engine, monkeypatch):
+    """Three failed steps in a row (a broken device): the engine thread ends, every request fails, the server
+    watching it exits for its supervisor to restart it."""
+    eng = _fresh_engine(engine)
+    try:
+        _fail_forward(monkeypatch, eng, times=10**6)
+        handles = [eng.submit([65 + i, 66], SamplingParams(max_tokens=4)) for i in range(12)]  # 3 batches at least
+        for h in handles:
+            with pytest.raises(RuntimeError):
+                h.future.result(timeout=10)
+        eng._thread.join(timeout=10)
+        assert not eng.alive and eng.failures == FAILURES_IN_A_ROW
+        with pytest.raises(EngineStopped):
+            eng.submit([65], SamplingParams(max_tokens=1))
+    finally:
+        eng.stop()
+
+
+def test_queued_sequences_are_bounded(engine):
+    """Past ``max_queued`` waiting sequences a request is refused whole (the server answers 429); one asking for
+    more than the bound on its own can never fit (400)."""
+    eng = Engine(engine.model, engine.tokenizer, max_batch_size=4, max_model_len=128, eos_token_ids={258},
+                 max_queued=8)  # not started: nothing leaves the queue
+    params = SamplingParams(max_tokens=2, n=2)
+    eng.submit_all([[65]] * 4, params)
+    with pytest.raises(EngineOverloaded, match="8"):
+        eng.submit_all([[66]], params)
+    with pytest.raises(ValueError, match="max_queued_sequences=8"):
+        eng.submit_all([[67]] * 5, params)
+    assert eng.queued_sequences == 8

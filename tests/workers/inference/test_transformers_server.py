@@ -128,6 +128,38 @@ def test_bad_requests_get_400_with_the_reason(server):
     assert status == 400 and "temperature" in body["error"]["message"] and body["policy_version"] == 0
 
 
+BAD_PARAMETERS = [
+    ({"logprobs": 10**6}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": "x"}, "logprobs"),
+    ({"prompt_logprobs": 10**6}, "prompt_logprobs"), ({"prompt_logprobs": -2}, "prompt_logprobs"),
+    ({"top_k": -5}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"seed": 2**70}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"stop": [1]}, "stop"), ({"stop": [""]}, "stop"), ({"stop": {"a": 1}}, "stop"), ({"stop": ["x"] * 65}, "stop"),
+    ({"stop_token_ids": [1] * 100_000}, "stop_token_ids"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"n": 2.5}, "n"), ({"n": 10**6}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "9"}, "max_tokens"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": 1e9}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"), ({"top_p": 0}, "top_p"), ({"min_p": 2}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"prompt": [[1, "a"]]}, "prompt"), ({"prompt": [-3]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_PARAMETERS, ids=[str(f) for f, _ in BAD_PARAMETERS])
+def test_every_sampling_parameter_out_of_range_is_a_400_that_names_it(server, fields, param):
+    """Each used to crash the engine (logprobs, prompt_logprobs, seed, stop), pass silently (NaN temperature, 2.5
+    choices) or give a 500; now a 400 whose message and ``param`` name the field, and the server goes on serving."""
+    status, body = _post(server, "/completions", {"prompt": [65, 66], "max_tokens": 4, **fields})
+    assert status == 400, body
+    assert body["error"]["param"] == param and param in body["error"]["message"]
+    status, body = _post(server, "/completions", {"prompt": [65, 66], "max_tokens": 2})
+    assert status == 200 and len(body["choices"]) == 1
+
+
+def test_chat_top_logprobs_out_of_range_is_a_400(server):
+    status, body = _post(server, "/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                                       "logprobs": True, "top_logprobs": 10**6, "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "top_logprobs"
+
+
 def test_stop_strings_end_the_completion(server):
     status, body = _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0,
                                                     "seed": 3, "return_token_ids": True, "ignore_eos": True})
@@ -277,3 +309,37 @@ async def test_metrics_count_the_tokens_sampled_and_name_the_server(server, run)
     assert after["rlbus_inference_generated_tokens_total"] - before["rlbus_inference_generated_tokens_total"] == 14
     assert after["rlbus_inference_queued_requests"] == 0 and after["rlbus_inference_running_sequences"] == 0
     assert "rlbus_inference_policy_version" in after and after["rlbus_inference_decode_steps_total"] > 0
+
+
+@pytest.mark.asyncio
+async def test_a_server_whose_engine_keeps_failing_exits_for_its_supervisor(tiny_model_dir, tmp_path, monkeypatch):
+    """Each failed step is a 500 (the client retries); after three in a row the engine stops, requests get 503 with
+    Retry-After, /health says engine_dead, and ``run()`` raises within a second or two, so the process exits and
+    its supervisor starts a fresh one (a poisoned CUDA context cannot be cleared in place)."""
+    from workers.config_loader import load_config
+    from workers.inference.transformers_server import InferenceServer
+
+    path = tmp_path / "cfg.toml"
+    path.write_text(f'[run]\noutput_dir = "{tmp_path}"\n[model]\npath = "{tiny_model_dir}"\n'
+                    '[inference]\nnum_threads = 1\nmax_model_len = 256\n')
+    server = InferenceServer(load_config([path], []), "127.0.0.1", free_port(), "dying")
+    await server.setup()
+    try:
+        def broken(*args, **kwargs):
+            raise RuntimeError("CUDA error: device-side assert triggered (simulated)")
+
+        monkeypatch.setattr(server.engine.model, "forward", broken)
+        running = asyncio.create_task(server.run())
+        url = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as http:
+            statuses = []
+            for _ in range(4):
+                async with http.post(url + "/v1/completions", json={"prompt": [65], "max_tokens": 2}) as r:
+                    statuses.append((r.status, r.headers.get("Retry-After")))
+            assert statuses[:3] == [(500, None)] * 3 and statuses[3] == (503, "1")
+            async with http.get(url + "/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "engine_dead"
+        with pytest.raises(RuntimeError, match="inference engine stopped"):
+            await asyncio.wait_for(running, timeout=5)
+    finally:
+        await server.close()

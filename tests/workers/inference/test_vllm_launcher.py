@@ -22,6 +22,19 @@ def test_vllm_command_and_env(tmp_path):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
 
 
+def test_vllm_gets_the_api_key_from_the_environment_not_the_command_line(tmp_path, monkeypatch):
+    """inference.api_key_var names the variable; vLLM gets the key as VLLM_API_KEY (its --api-key), never in argv
+    (``ps`` shows argv to every user of the machine)."""
+    monkeypatch.setenv("RLBUS_INFERENCE_API_KEY", "k-123")
+    config = RlbusConfig.model_validate({"model": {"path": "/m"}, "run": {"output_dir": str(tmp_path)},
+                                         "inference": {"api_key_var": "RLBUS_INFERENCE_API_KEY"}})
+    assert vllm_env(config)["VLLM_API_KEY"] == "k-123"
+    assert not any("k-123" in a for a in vllm_command(config, "127.0.0.1", 8001))
+    monkeypatch.delenv("RLBUS_INFERENCE_API_KEY")
+    with pytest.raises(ValueError, match="RLBUS_INFERENCE_API_KEY"):
+        vllm_env(config)
+
+
 def test_the_server_runs_its_own_thread_share_not_the_one_it_inherits(tmp_path, monkeypatch):
     """`rlbus run` exports the trainer's share (OMP_NUM_THREADS=2 in a run that trains on reference answers) to every
     child; vLLM's CPU worker ran that many threads on the one core it pins itself to, and each LoRA prefill took

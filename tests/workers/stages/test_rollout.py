@@ -10,9 +10,12 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 import redis
+from aiohttp import web
+from structlog.testing import capture_logs
 
 from bus.keys import GROUP_ROLLOUT, Keys
 from bus.local_redis import free_port
@@ -264,3 +267,101 @@ def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
     (letter,) = mine()
     assert "rollout_timeout_s=0.5" in letter.reason and "after 2 attempts" in letter.reason
     assert stack.groups(name) == [] and int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == before
+
+
+async def _proxy(port: int, target: str) -> web.AppRunner:
+    """An HTTP proxy on ``port`` to ``target`` (the inference server coming back, as far as a client can tell)."""
+    async def forward(request: web.Request) -> web.Response:
+        async with aiohttp.ClientSession() as http, http.request(request.method, target + request.path,
+                                                                data=await request.read(),
+                                                                headers={"Content-Type": "application/json"}) as r:
+            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
+    """No server answers on inference.base_urls for 4 s (connection refused), then one does: the tasks taken
+    meanwhile are held (inference_unreachable) and then rolled out; with env.max_retries = 0 each used to become a
+    dead letter at its first refused connection. The slow test below does the same with a 45 s outage."""
+    name = f"hold{uuid.uuid4().hex[:4]}"
+    env = {"id": "tests.workers.stages.rollout_envs:slow_echo", "name": name, "group_size": 2, "max_retries": 0,
+           "args": {"step_s": 0.01}}
+    port = free_port()
+    config = load_config([stack.config([env])], [("inference.base_urls", [f"http://127.0.0.1:{port}/v1"])])
+    stack.publish([_task(name, i, 2) for i in range(2)], inflight=4)
+
+    async def main():
+        worker = RolloutWorker(config, worker="r-hold")
+        await worker.setup()
+        running = asyncio.create_task(worker.run())
+        await asyncio.sleep(4)
+        assert not [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]  # held, not dead
+        proxy = await _proxy(port, f"http://127.0.0.1:{stack.port}")
+        deadline = time.monotonic() + 60
+        while len(stack.groups(name)) < 2 and time.monotonic() < deadline and not running.done():
+            await asyncio.sleep(0.1)
+        worker.request_stop()
+        await running
+        await worker.close()
+        await proxy.cleanup()
+
+    with capture_logs() as logs:
+        asyncio.run(main())
+    assert sorted(g.task_id for g in stack.groups(name)) == [f"{name}:0:{i}" for i in range(2)]
+    assert not [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
+    assert any(e["event"] == "inference_unreachable" for e in logs)
+    assert all(g.timings["inference_wait_s"] > 3 for g in stack.groups(name))
+
+
+def _wait_healthy(stack: Stack, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{stack.port}/health", timeout=2)
+            return
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError("the inference server did not come up") from None
+            time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_an_inference_outage_holds_its_tasks_instead_of_dead_lettering_them(tmp_path, redis_server, tiny_model_dir):
+    """The only inference server (reached through inference.base_urls, as an external vLLM would be) goes away for
+    45 s, then comes back on the same port: every task, those running and those taken meanwhile, is held (claimed,
+    retried with backoff, ``inference_unreachable`` logged) and published once; none is dead-lettered. Before, each
+    became a dead letter after its env.max_retries tries (~1 s here)."""
+    s = Stack(tmp_path, redis_server, tiny_model_dir)
+    try:
+        name = f"out{uuid.uuid4().hex[:4]}"
+        env = {"id": "tests.workers.stages.rollout_envs:slow_echo", "name": name, "group_size": 2, "max_retries": 1,
+               "args": {"step_s": 0.05}}
+        config = s.config([env])
+        server = s.spawn("inference", config, "--server-id", "s0")
+        _wait_healthy(s, server, 180)
+        worker = s.spawn("rollout", config, "--consumer", "r-outage")
+        s.publish([_task(name, i, 2) for i in range(4)], inflight=8)
+        _wait_for(lambda: len(s.groups(name)) >= 1, 120, "a first group")
+        server.terminate()
+        server.wait(30)
+        s.publish([_task(name, i, 2) for i in range(4, 8)], inflight=8)
+        time.sleep(45)
+        assert s.dead() == [] and worker.poll() is None
+        server = s.spawn("inference", config, "--server-id", "s0")
+        _wait_healthy(s, server, 180)
+        _wait_for(lambda: len(s.groups(name)) >= 8, 120, "all eight groups after the outage")
+        time.sleep(1.0)
+        assert sorted(g.task_id for g in s.groups(name)) == sorted(f"{name}:0:{i}" for i in range(8))
+        assert s.dead() == [] and s.redis.xpending(s.keys.tasks(name), GROUP_ROLLOUT)["pending"] == 0
+        log = (s.tmp / "rollout-1.log").read_text()
+        assert "inference_unreachable" in log and "inference_recovered" in log
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+    finally:
+        s.close()
