@@ -18,7 +18,7 @@ PACKAGES = ("bus", "workers", "trainer")
 
 STAGES: dict[str, set[str]] = {
     "feeder": {"feeder"},
-    "rollout": {"rollout", "episode", "gate"},
+    "rollout": {"rollout", "episode", "gate", "traces"},
     "filter": {"filter", "advantages"},
     "packer": {"packer", "packing"},
 }

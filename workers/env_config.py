@@ -6,6 +6,7 @@ Per-env settings inherit as in prime-rl: a field an env leaves unset takes the s
 worker (and ``config.resolved.toml``) sees each env's effective values.
 """
 
+import importlib.util
 import warnings
 from typing import Any, Literal
 
@@ -80,9 +81,30 @@ class EvalSamplingConfig(_Requests):
     """Reasoning effort of reasoning models (sent as ``reasoning_effort``); None: not sent."""
 
 
+VERIFIERS_INSTALL = "pip install 'rlbus[verifiers]'"
+
+
 class EnvConfig(Section):
-    id: str
-    """Built-in env name (``reverse_text``, ``echo_chars``, ``guess_number``) or import path ``package.module:factory``."""
+    id: str = ""
+    """Built-in env name (``reverse_text``, ``echo_chars``, ``guess_number``) or import path ``package.module:factory``.
+    With ``taskset``: verifiers' env id (``best-of-n``), "" for the taskset's own env."""
+
+    taskset: dict[str, Any] | None = None
+    """A verifiers v1 env (prime-rl's form): the taskset package and its own args, ``{id = "reverse-text", ...}``;
+    None: an rlbus env named by ``id``. Needs the verifiers extra (see docs/environments.md)."""
+
+    agent: dict[str, Any] | None = None
+    """verifiers: the agent seat as verifiers' ``AgentConfig`` takes it (``harness``, ``runtime``, ``max_turns``,
+    ``timeout``, ...); unset harness: ``rlbus-chat`` (in-process), unset runtime: ``subprocess``."""
+
+    timeout: dict[str, Any] = Field(default_factory=dict)
+    """verifiers: the env's own timeouts in seconds (``{episode = 120, finalize = 30}``); {}: none."""
+
+    pool: dict[str, Any] = Field(default_factory=dict)
+    """verifiers: how ``serve_env`` hosts the env (``{type = "static", num_workers = 2}``); {}: one server process."""
+
+    max_tasks: int | None = Field(None, ge=1)
+    """verifiers: tasks taken from the taskset (required for an infinite one); None: all of them."""
 
     name: str | None = None
     """Display name in keys, logs and metrics; defaults to the id. Unique per run; ``all`` is reserved."""
@@ -132,7 +154,26 @@ class EnvConfig(Section):
 
     @property
     def resolved_name(self) -> str:
-        return self.name or self.id.rsplit(":", 1)[-1]
+        if self.name:
+            return self.name
+        if self.taskset is not None:
+            return str(self.taskset.get("id", "")).rsplit("/", 1)[-1].split("@", 1)[0]
+        return self.id.rsplit(":", 1)[-1]
+
+    @property
+    def kind(self) -> Literal["rlbus", "verifiers"]:
+        """Who serves the env: rlbus's env server, or verifiers' (``taskset`` set)."""
+        return "verifiers" if self.taskset is not None else "rlbus"
+
+    @property
+    def vf_id(self) -> str:
+        """verifiers' env id ("" = the taskset's own env); "" for an rlbus env."""
+        return self.id if self.kind == "verifiers" else ""
+
+    @property
+    def roles(self) -> dict[str, dict[str, Any]]:
+        """verifiers: the agent seats this block sets."""
+        return {} if self.agent is None else {"agent": dict(self.agent)}
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +188,21 @@ class EnvConfig(Section):
                           stacklevel=2)
             data = {k: v for k, v in data.items() if k != "num_workers"}
         return data
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> "EnvConfig":
+        if self.taskset is None:
+            if not self.id:
+                raise ValueError('an env needs id = "..." (an rlbus env) or taskset = {id = "..."} (verifiers v1)')
+            stray = [f for f in ("agent", "timeout", "pool", "max_tasks") if f in self.model_fields_set]
+            if stray:
+                raise ValueError(f"{stray} are verifiers fields; set taskset = {{id = ...}} or drop them")
+            return self
+        if not self.taskset.get("id"):
+            raise ValueError('taskset needs an id: taskset = {id = "my-taskset", ...}')
+        if importlib.util.find_spec("verifiers") is None:
+            raise ValueError(f"taskset = {{id = {self.taskset['id']!r}}} is a verifiers env: {VERIFIERS_INSTALL}")
+        return self
 
     @model_validator(mode="after")
     def _check_name(self) -> "EnvConfig":

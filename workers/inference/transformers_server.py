@@ -1,7 +1,8 @@
 """The built-in inference server (``inference.backend = "transformers"``): aiohttp over the dynamic-batching engine.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also with ``"stream": true``: server-sent
-events as the tokens are sampled), ``GET /v1/models``, ``GET /health``.
+events as the tokens are sampled), ``POST /inference/v1/generate`` (token ids in and out, :mod:`generate_api`),
+``GET /v1/models``, ``GET /health``.
 Every JSON response carries ``policy_version``. With ``redis.url`` set the server follows ``weights``
 and publishes ``served``; without it, it serves the model at ``model.path`` as version 0.
 """
@@ -25,6 +26,7 @@ from trainer.model import resolve_dtype
 from trainer.weights import load_tensors_into, read_weights
 from workers.config import RlbusConfig
 from workers.inference.engine import Engine
+from workers.inference.generate_api import generate_request, generate_response
 from workers.inference.openai_api import (
     ApiError,
     Renderer,
@@ -67,6 +69,7 @@ class InferenceServer:
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/inference/v1/generate", self.generate),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
         ])
@@ -154,6 +157,13 @@ class InferenceServer:
                 return await self._stream(request, body, [prompt], params, chat=True)
             gen = await self._generate(prompt, params)
             return self.renderer.chat(gen, body)
+
+        return await self._respond(request, handle)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        async def handle(body: dict) -> dict:
+            prompt_ids, params = generate_request(body)
+            return generate_response(await self._generate(prompt_ids, params), self.config.model.path)
 
         return await self._respond(request, handle)
 

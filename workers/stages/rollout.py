@@ -32,11 +32,12 @@ from bus.state import release_inflight
 from bus.streams import Bus, Entry
 from workers.config import RlbusConfig
 from workers.env_config import EnvConfig, EvalEnvConfig, SamplingConfig
-from workers.envs.server import EnvHandle
+from workers.envs.connect import start_env
 from workers.inference.client import InferenceClient
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 from workers.stages.episode import AnswerRunner, ChatTokens, GroupRunner, chat_answers, reference_answers
 from workers.stages.gate import StalenessGate
+from workers.stages.traces import VerifiersRunner
 
 
 def served_adapter(config: RlbusConfig, tracker: PolicyTracker):
@@ -85,7 +86,7 @@ class RolloutWorker:
         for stream in self.streams:
             await self.bus.ensure_group(stream, GROUP_ROLLOUT)
         handles = await asyncio.gather(
-            *(EnvHandle.start(env, timeout_s=cfg.rollout.env_timeout_s) for env in self.envs.values())
+            *(start_env(env, cfg.rollout.env_timeout_s) for env in self.envs.values())
         )
         self.handles = dict(zip(self.envs, handles, strict=True))
         from transformers import AutoTokenizer  # heavy: only once the worker really starts
@@ -111,6 +112,7 @@ class RolloutWorker:
             self.sft_runner = AnswerRunner(chat, inf.max_model_len, served, chat_answers(teacher), "teacher")
         elif teacher is not None:
             self.sft_runner = GroupRunner(chat, teacher, teacher, inf.max_model_len, fallback_version=served)
+        self.vf_runner = VerifiersRunner(client, served, cfg.model.path, inf.api_key_var)
         self.reference_runner = AnswerRunner(chat, inf.max_model_len, served, reference_answers, "reference")
         self.log.info("rollout_ready", envs=list(self.envs), max_concurrent_groups=cfg.rollout.max_concurrent_groups)
 
@@ -250,7 +252,9 @@ class RolloutWorker:
 
     def _runner(self, task: Task, env: EnvConfig):
         """Who makes the task's samples: the policy's servers, the teacher's (sft), or the env's reference (sft
-        from data)."""
+        from data); a verifiers env's runs (its harness calls the policy's servers itself)."""
+        if env.kind == "verifiers":
+            return self.vf_runner
         if task.mode != "sft":
             return self.runner
         return self.reference_runner if env.sft_source == "reference" else self.sft_runner
