@@ -28,7 +28,7 @@ from bus.keys import GROUP_ROLLOUT
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Task
 from bus.policy import PolicyTracker
-from bus.state import release_inflight
+from bus.state import INFLIGHT_FIELD, release_inflight
 from bus.streams import Bus, Entry
 from workers.config import RlbusConfig
 from workers.env_config import EnvConfig, EvalEnvConfig, SamplingConfig
@@ -242,13 +242,22 @@ class RolloutWorker:
                                                   "rollout/train_groups": float(task.eval_step is None)})
         try:
             await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)],
-                                  [(self.bus.keys.rollouts(task.env), group), (self.bus.keys.metrics(), metric)])
+                                  [(self.bus.keys.rollouts(task.env), group), (self.bus.keys.metrics(), metric)],
+                                  extra=self._recount(task, len(samples)))
         except NotOwned as e:
             log.warning("group_abandoned", error=str(e), hint="another worker reclaimed the task; its group counts")
             return
         self.groups_done += 1
         log.info("group_done", reward=round(group.reward, 4), tokens=group.tokens, policy_version=group.policy_version,
                  total_s=round(timings["total_s"], 3))
+
+    def _recount(self, task: Task, samples: int):
+        """A training group of other than ``group_size`` samples (a verifiers episode may have several trainable
+        branches) moves ``inflight`` by the difference in its commit, so the feeder's count stays exact."""
+        if task.eval_step is not None or samples == task.group_size:
+            return None
+        state = self.bus.keys.state()
+        return lambda pipe: pipe.hincrby(state, INFLIGHT_FIELD, samples - task.group_size)
 
     def _runner(self, task: Task, env: EnvConfig):
         """Who makes the task's samples: the policy's servers, the teacher's (sft), or the env's reference (sft
