@@ -82,6 +82,38 @@ class EvalSamplingConfig(_Requests):
 
 
 VERIFIERS_INSTALL = "pip install 'rlbus[verifiers]'"
+OPENENV_INSTALL = "pip install 'rlbus[openenv]'"
+
+
+class OpenEnvConfig(Section):
+    """An OpenEnv environment server: spawned from an installed package's app, or an external one."""
+
+    app: str | None = None
+    """The server's ASGI app, ``package.module:app`` (served with ``uvicorn``); None: use ``base_url``."""
+
+    base_url: str | None = None
+    """An external server (``http://host:8000``); None: spawn ``app``."""
+
+    num_episodes: int = Field(1000, ge=1)
+    """Episodes in the env's dataset: episode ``i`` is ``reset(seed=i)``."""
+
+    action_field: str = "message"
+    """The action field the model's reply goes into."""
+
+    observation_field: str = "message"
+    """The observation field that becomes the next user turn (the whole observation when it has none)."""
+
+    reset_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments of every ``reset``."""
+
+    start_timeout_s: float = Field(180.0, gt=0)
+    """Seconds a spawned server has to answer ``/health``."""
+
+    @model_validator(mode="after")
+    def _one_server(self) -> "OpenEnvConfig":
+        if (self.app is None) == (self.base_url is None):
+            raise ValueError('openenv needs exactly one of app = "package.module:app" or base_url = "http://..."')
+        return self
 
 
 class EnvConfig(Section):
@@ -105,6 +137,10 @@ class EnvConfig(Section):
 
     max_tasks: int | None = Field(None, ge=1)
     """verifiers: tasks taken from the taskset (required for an infinite one); None: all of them."""
+
+    openenv: OpenEnvConfig | None = None
+    """An OpenEnv environment server (``{app = "pkg.server:app"}`` or ``{base_url = "http://..."}``); None: not one.
+    Needs the openenv extra."""
 
     name: str | None = None
     """Display name in keys, logs and metrics; defaults to the id. Unique per run; ``all`` is reserved."""
@@ -158,11 +194,15 @@ class EnvConfig(Section):
             return self.name
         if self.taskset is not None:
             return str(self.taskset.get("id", "")).rsplit("/", 1)[-1].split("@", 1)[0]
+        if self.openenv is not None:
+            return "openenv"
         return self.id.rsplit(":", 1)[-1]
 
     @property
-    def kind(self) -> Literal["rlbus", "verifiers"]:
-        """Who serves the env: rlbus's env server, or verifiers' (``taskset`` set)."""
+    def kind(self) -> Literal["rlbus", "verifiers", "openenv"]:
+        """Who serves the env: rlbus's env server, verifiers' (``taskset`` set) or an OpenEnv server (``openenv``)."""
+        if self.openenv is not None:
+            return "openenv"
         return "verifiers" if self.taskset is not None else "rlbus"
 
     @property
@@ -191,9 +231,16 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _check_kind(self) -> "EnvConfig":
+        if self.openenv is not None:
+            if self.taskset is not None or self.id:
+                raise ValueError("an env is one of id = ..., taskset = {...} or openenv = {...}; set only one")
+            if importlib.util.find_spec("openenv") is None:
+                raise ValueError(f"openenv = {{...}} is an OpenEnv env: {OPENENV_INSTALL}")
+            return self
         if self.taskset is None:
             if not self.id:
-                raise ValueError('an env needs id = "..." (an rlbus env) or taskset = {id = "..."} (verifiers v1)')
+                raise ValueError('an env needs id = "..." (an rlbus env), taskset = {id = "..."} (verifiers v1) or '
+                             'openenv = {app = "..."} (OpenEnv)')
             stray = [f for f in ("agent", "timeout", "pool", "max_tasks") if f in self.model_fields_set]
             if stray:
                 raise ValueError(f"{stray} are verifiers fields; set taskset = {{id = ...}} or drop them")

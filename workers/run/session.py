@@ -426,6 +426,10 @@ def check_envs(config: RlbusConfig) -> dict[str, int]:
     eval_sizes = {}
     for section, envs in (("env", config.env), ("eval.env", config.eval.env)):
         for i, env in enumerate(envs):
+            if env.kind == "openenv":
+                if section == "eval.env":
+                    eval_sizes[env.resolved_name] = env.openenv.num_episodes
+                continue
             if env.kind == "verifiers":
                 try:
                     size = len(load_tasks(env, vf_config_data(env)))
