@@ -241,12 +241,14 @@ class EnvConfig(Section):
             if not self.id:
                 raise ValueError('an env needs id = "..." (an rlbus env), taskset = {id = "..."} (verifiers v1) or '
                              'openenv = {app = "..."} (OpenEnv)')
-            stray = [f for f in ("agent", "timeout", "pool", "max_tasks") if f in self.model_fields_set]
+            stray = [f for f in ("agent", "timeout", "pool", "max_tasks") if getattr(self, f) not in (None, {})]
             if stray:
                 raise ValueError(f"{stray} are verifiers fields; set taskset = {{id = ...}} or drop them")
             return self
         if not self.taskset.get("id"):
             raise ValueError('taskset needs an id: taskset = {id = "my-taskset", ...}')
+        if self.mode != "rl":
+            raise ValueError(f'mode = "{self.mode}" is not supported on verifiers envs yet; use mode = "rl"')
         if importlib.util.find_spec("verifiers") is None:
             raise ValueError(f"taskset = {{id = {self.taskset['id']!r}}} is a verifiers env: {VERIFIERS_INSTALL}")
         return self

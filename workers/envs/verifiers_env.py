@@ -37,6 +37,8 @@ from workers.lifecycle import die_with_parent
 
 DEFAULT_AGENT = {"harness": {"id": "rlbus-chat"}, "runtime": {"type": "subprocess"}}
 """What an agent seat the config leaves unset plays with: the in-process harness on the local machine."""
+UV_HARNESSES = frozenset({"null", "bash"})
+"""verifiers harnesses that start their program with ``uv run`` (a package index or a wheel cache at run time)."""
 
 
 def require_verifiers() -> Any:
@@ -61,9 +63,15 @@ def vf_config_data(env: EnvConfig) -> dict[str, Any]:
         for role in agent_config_fields(cls()):
             given = dict(raw.get(role) or {})
             raw[role] = {**{k: v for k, v in DEFAULT_AGENT.items() if given.get(k) is None}, **given}
-        return resolve_env_config(raw).model_dump(mode="json")
+        data = resolve_env_config(raw).model_dump(mode="json")
     except (ValueError, TypeError, ImportError) as e:  # pydantic's ValidationError is a ValueError
         raise ConfigError(f"env {env.resolved_name!r}: verifiers rejects its config: {_first_line(e)}") from e
+    uv_harnesses = [role for role in data if isinstance(data[role], dict)
+                    and (data[role].get("harness") or {}).get("id") in UV_HARNESSES]
+    if uv_harnesses and shutil.which("uv") is None:
+        raise ConfigError(f"env {env.resolved_name!r}: the harness of {uv_harnesses} runs its program with `uv run`, "
+                          f"and uv is not on PATH; {VERIFIERS_INSTALL} installs it (or use harness id 'rlbus-chat')")
+    return data
 
 
 def load_tasks(env: EnvConfig, config_data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -81,17 +81,17 @@ def check(out: Path, steps: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_a_spawned_verifiers_env_trains_and_survives_its_server_killed(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     proc = start_run(out, tiny_model_dir, "--run.max_steps", "4", config=write_config(tmp_path))
     try:
-        wait_step(proc, out, 1, timeout_s=150)
+        wait_step(proc, out, 1, timeout_s=240)
         servers = processes_mentioning("workers.envs.verifiers_env")
         assert servers, "no verifiers env server was spawned"
         for pid in servers:
             os.kill(pid, signal.SIGKILL)
-        assert wait_exit(proc, out, 150) == 0, stdout_of(out)[-4000:]
+        assert wait_exit(proc, out, 170) == 0, stdout_of(out)[-4000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -101,7 +101,7 @@ def test_a_spawned_verifiers_env_trains_and_survives_its_server_killed(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_a_verifiers_env_at_an_external_address_trains(tmp_path, tiny_model_dir):
     address = f"tcp://127.0.0.1:{free_port()}"
     env = EnvConfig(taskset={"id": "rlbus-test-echo", "num_tasks": 256})
@@ -113,7 +113,7 @@ def test_a_verifiers_env_at_an_external_address_trains(tmp_path, tiny_model_dir)
     try:
         proc = start_run(out, tiny_model_dir, "--run.max_steps", "2",
                          "--eval.env.0.address", address, config=write_config(tmp_path, address))
-        assert wait_exit(proc, out, 200) == 0, stdout_of(out)[-4000:]
+        assert wait_exit(proc, out, 380) == 0, stdout_of(out)[-4000:]
         check(out, 2)
         assert server.poll() is None, "the run must leave an external env server running"
     finally:
