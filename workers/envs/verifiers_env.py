@@ -37,6 +37,9 @@ from workers.lifecycle import die_with_parent
 
 DEFAULT_AGENT = {"harness": {"id": "rlbus-chat"}, "runtime": {"type": "subprocess"}}
 """What an agent seat the config leaves unset plays with: the in-process harness on the local machine."""
+HEALTH_EVERY_S = 2.0
+HEALTH_MISSES = 3
+"""An external server that misses this many health checks in a row (HEALTH_EVERY_S apart) fails its runs."""
 UV_HARNESSES = frozenset({"null", "bash"})
 """verifiers harnesses that start their program with ``uv run`` (a package index or a wheel cache at run time)."""
 
@@ -104,6 +107,9 @@ class VerifiersHandle:
         self._client: Any = None
         self._process: asyncio.subprocess.Process | None = None
         self._exited: asyncio.Future | None = None
+        self._lost: asyncio.Future | None = None
+        """External server: done while it is not answering health (see :meth:`_watch`)."""
+        self._watchdog: asyncio.Task | None = None
         self._tmp_dir: str | None = None
         self._lock = asyncio.Lock()
         self.log = get_logger(worker="env_handle", env=self.name)
@@ -134,12 +140,13 @@ class VerifiersHandle:
 
     async def run(self, index: int, client: dict[str, Any], model: str, sampling: dict[str, Any]) -> Any:
         """One episode of task ``index`` (a verifiers ``WireEpisode``). Cancelling it cancels the run on the server;
-        a spawned server that dies fails it at once (RpcError) and is started again for the next run."""
+        a spawned server that dies fails it at once (RpcError) and is started again for the next run; an external
+        one that stops answering health fails it within HEALTH_MISSES * HEALTH_EVERY_S."""
         from verifiers.v1.clients import TrainClientConfig
         from verifiers.v1.types import SamplingConfig
 
         async with self._lock:  # not while a restart is under way
-            rpc, exited, generation = self._client, self._exited, self.restarts
+            rpc, exited, generation = self._client, self._exited or self._lost, self.restarts
         run = asyncio.ensure_future(rpc.run(TrainClientConfig.model_validate(client), model,
                                             SamplingConfig.model_validate(sampling), self.tasks[index]))
         waits = {run} if exited is None else {run, exited}
@@ -150,11 +157,16 @@ class VerifiersHandle:
                 run.cancel()  # our caller gave up (timeout) or the server died: tell the server to stop the run
         if run.done() and not run.cancelled():
             return run.result()
+        if not self.spawned:
+            raise RpcError(f"verifiers env server {self.name!r} at {self.address} stopped answering health during a run")
         code = exited.result() if exited is not None and exited.done() else None
         await self._restart(generation, reason=f"exit code {code}")
         raise RpcError(f"verifiers env server {self.name!r} died (exit code {code}) during a run")
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -177,7 +189,27 @@ class VerifiersHandle:
             raise RpcError(f"verifiers env server {self.name!r} exited with code {self._exited.result()} before "
                            "answering health; its error is in the log above")
         health.result()
+        if not self.spawned:
+            self._lost = asyncio.get_running_loop().create_future()
+            self._watchdog = asyncio.ensure_future(self._watch())
         self.log.info("vf_env_server_ready", address=self.address, pid=self.pid, tasks=len(self.tasks))
+
+    async def _watch(self) -> None:
+        """External server: ``health`` every HEALTH_EVERY_S; HEALTH_MISSES misses in a row mark it lost (the runs in
+        flight fail), an answer again marks it back."""
+        misses = 0
+        while True:
+            await asyncio.sleep(HEALTH_EVERY_S)
+            try:
+                healthy = await self._client.health(timeout=HEALTH_EVERY_S)
+            except Exception:  # an error reply is as good as no reply
+                healthy = False
+            misses = 0 if healthy else misses + 1
+            if misses >= HEALTH_MISSES and not self._lost.done():
+                self.log.warning("env_server_lost", address=self.address, misses=misses)
+                self._lost.set_result(misses)
+            elif healthy and self._lost.done():
+                self._lost = asyncio.get_running_loop().create_future()
 
     async def _spawn(self) -> None:
         if self._tmp_dir is None:

@@ -188,9 +188,15 @@ async def test_an_external_server_at_an_address(server, tiny_model_dir):
             assert handle.pid is None
             samples, _ = await vf_runner.run(task(3), handle, SAMPLING, max_turns=1)
             assert len(samples) == 4 and all(s.loss_mask.all() for s in samples)
+            proc.kill()  # an external server that dies: its runs fail within the health checks, never hang
+            proc.wait(20)
+            started = time.monotonic()
+            long = SamplingConfig(temperature=1.0, max_completion_tokens=200)
+            with pytest.raises(RpcError, match="stopped answering health"):
+                await vf_runner.run(task(4), handle, long, max_turns=1)
+            assert time.monotonic() - started < 30
         finally:
             await handle.close()
-        assert proc.poll() is None, "closing the client must leave an external server running"
     finally:
         proc.terminate()
         proc.wait(20)
