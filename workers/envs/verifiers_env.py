@@ -71,7 +71,7 @@ def vf_config_data(env: EnvConfig) -> dict[str, Any]:
         raise ConfigError(f"env {env.resolved_name!r}: verifiers rejects its config: {_first_line(e)}") from e
     uv_harnesses = [role for role in data if isinstance(data[role], dict)
                     and (data[role].get("harness") or {}).get("id") in UV_HARNESSES]
-    if uv_harnesses and shutil.which("uv") is None:
+    if uv_harnesses and shutil.which("uv", path=_server_path()) is None:
         raise ConfigError(f"env {env.resolved_name!r}: the harness of {uv_harnesses} runs its program with `uv run`, "
                           f"and uv is not on PATH; {VERIFIERS_INSTALL} installs it (or use harness id 'rlbus-chat')")
     return data
@@ -217,7 +217,7 @@ class VerifiersHandle:
         self.address = f"ipc://{self._tmp_dir}/{self.restarts}.sock"
         argv = [sys.executable, "-m", "workers.envs.verifiers_env", "--bind", self.address,
                 "--config", json.dumps(self.config_data), "--pool", json.dumps(self.env_config.pool)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PATH": _server_path()}
         preexec = die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None
         # Its own session: a Ctrl-C or SIGTERM to the run's process group reaches the worker, which drains its
         # runs and then stops this server; the server dies with the worker all the same (PDEATHSIG).
@@ -251,6 +251,12 @@ class VerifiersHandle:
             except TimeoutError:
                 process.kill()
         await exited
+
+
+def _server_path() -> str:
+    """The spawned server's PATH: this interpreter's bin folder first, so the ``uv`` the verifiers extra installed
+    into this environment is found even when the environment is not activated."""
+    return os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 
 def _first_line(error: Exception) -> str:
