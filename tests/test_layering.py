@@ -36,7 +36,7 @@ RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 STAGES: dict[str, set[str]] = {
     "feeder": {"feeder"},
-    "rollout": {"rollout", "episode", "gate"},
+    "rollout": {"rollout", "episode", "gate", "traces"},
     "filter": {"filter", "advantages"},
     "packer": {"packer", "packing"},
 }

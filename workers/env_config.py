@@ -6,6 +6,7 @@ Per-env settings inherit as in prime-rl: a field an env leaves unset takes the s
 worker (and ``config.resolved.toml``) sees each env's effective values.
 """
 
+import importlib.util
 import warnings
 from typing import Any, Literal
 
@@ -80,9 +81,66 @@ class EvalSamplingConfig(_Requests):
     """Reasoning effort of reasoning models (sent as ``reasoning_effort``); None: not sent."""
 
 
+VERIFIERS_INSTALL = "pip install 'rlbus[verifiers]'"
+OPENENV_INSTALL = "pip install 'rlbus[openenv]'"
+
+
+class OpenEnvConfig(Section):
+    """An OpenEnv environment server: spawned from an installed package's app, or an external one."""
+
+    app: str | None = None
+    """The server's ASGI app, ``package.module:app`` (served with ``uvicorn``); None: use ``base_url``."""
+
+    base_url: str | None = None
+    """An external server (``http://host:8000``); None: spawn ``app``."""
+
+    num_episodes: int = Field(1000, ge=1)
+    """Episodes in the env's dataset: episode ``i`` is ``reset(seed=i)``."""
+
+    action_field: str = "message"
+    """The action field the model's reply goes into."""
+
+    observation_field: str = "message"
+    """The observation field that becomes the next user turn (the whole observation when it has none)."""
+
+    reset_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments of every ``reset``."""
+
+    start_timeout_s: float = Field(180.0, gt=0)
+    """Seconds a spawned server has to answer ``/health``."""
+
+    @model_validator(mode="after")
+    def _one_server(self) -> "OpenEnvConfig":
+        if (self.app is None) == (self.base_url is None):
+            raise ValueError('openenv needs exactly one of app = "package.module:app" or base_url = "http://..."')
+        return self
+
+
 class EnvConfig(Section):
-    id: str
-    """Built-in env name (``reverse_text``, ``echo_chars``, ``guess_number``) or import path ``package.module:factory``."""
+    id: str = ""
+    """Built-in env name (``reverse_text``, ``echo_chars``, ``guess_number``) or import path ``package.module:factory``.
+    With ``taskset``: verifiers' env id (``best-of-n``), "" for the taskset's own env."""
+
+    taskset: dict[str, Any] | None = None
+    """A verifiers v1 env (prime-rl's form): the taskset package and its own args, ``{id = "reverse-text", ...}``;
+    None: an rlbus env named by ``id``. Needs the verifiers extra (see docs/environments.md)."""
+
+    agent: dict[str, Any] | None = None
+    """verifiers: the agent seat as verifiers' ``AgentConfig`` takes it (``harness``, ``runtime``, ``max_turns``,
+    ``timeout``, ...); unset harness: ``rlbus-chat`` (in-process), unset runtime: ``subprocess``."""
+
+    timeout: dict[str, Any] = Field(default_factory=dict)
+    """verifiers: the env's own timeouts in seconds (``{episode = 120, finalize = 30}``); {}: none."""
+
+    pool: dict[str, Any] = Field(default_factory=dict)
+    """verifiers: how ``serve_env`` hosts the env (``{type = "static", num_workers = 2}``); {}: one server process."""
+
+    max_tasks: int | None = Field(None, ge=1)
+    """verifiers: tasks taken from the taskset (required for an infinite one); None: all of them."""
+
+    openenv: OpenEnvConfig | None = None
+    """An OpenEnv environment server (``{app = "pkg.server:app"}`` or ``{base_url = "http://..."}``); None: not one.
+    Needs the openenv extra."""
 
     name: str | None = None
     """Display name in keys, logs and metrics; defaults to the id. Unique per run; ``all`` is reserved."""
@@ -132,7 +190,30 @@ class EnvConfig(Section):
 
     @property
     def resolved_name(self) -> str:
-        return self.name or self.id.rsplit(":", 1)[-1]
+        if self.name:
+            return self.name
+        if self.taskset is not None:
+            return str(self.taskset.get("id", "")).rsplit("/", 1)[-1].split("@", 1)[0]
+        if self.openenv is not None:
+            return "openenv"
+        return self.id.rsplit(":", 1)[-1]
+
+    @property
+    def kind(self) -> Literal["rlbus", "verifiers", "openenv"]:
+        """Who serves the env: rlbus's env server, verifiers' (``taskset`` set) or an OpenEnv server (``openenv``)."""
+        if self.openenv is not None:
+            return "openenv"
+        return "verifiers" if self.taskset is not None else "rlbus"
+
+    @property
+    def vf_id(self) -> str:
+        """verifiers' env id ("" = the taskset's own env); "" for an rlbus env."""
+        return self.id if self.kind == "verifiers" else ""
+
+    @property
+    def roles(self) -> dict[str, dict[str, Any]]:
+        """verifiers: the agent seats this block sets."""
+        return {} if self.agent is None else {"agent": dict(self.agent)}
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +228,30 @@ class EnvConfig(Section):
                           stacklevel=2)
             data = {k: v for k, v in data.items() if k != "num_workers"}
         return data
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> "EnvConfig":
+        if self.openenv is not None:
+            if self.taskset is not None or self.id:
+                raise ValueError("an env is one of id = ..., taskset = {...} or openenv = {...}; set only one")
+            if importlib.util.find_spec("openenv") is None:
+                raise ValueError(f"openenv = {{...}} is an OpenEnv env: {OPENENV_INSTALL}")
+            return self
+        if self.taskset is None:
+            if not self.id:
+                raise ValueError('an env needs id = "..." (an rlbus env), taskset = {id = "..."} (verifiers v1) or '
+                             'openenv = {app = "..."} (OpenEnv)')
+            stray = [f for f in ("agent", "timeout", "pool", "max_tasks") if getattr(self, f) not in (None, {})]
+            if stray:
+                raise ValueError(f"{stray} are verifiers fields; set taskset = {{id = ...}} or drop them")
+            return self
+        if not self.taskset.get("id"):
+            raise ValueError('taskset needs an id: taskset = {id = "my-taskset", ...}')
+        if self.mode != "rl":
+            raise ValueError(f'mode = "{self.mode}" is not supported on verifiers envs yet; use mode = "rl"')
+        if importlib.util.find_spec("verifiers") is None:
+            raise ValueError(f"taskset = {{id = {self.taskset['id']!r}}} is a verifiers env: {VERIFIERS_INSTALL}")
+        return self
 
     @model_validator(mode="after")
     def _check_name(self) -> "EnvConfig":

@@ -198,6 +198,10 @@ class InferenceClient:
                 raise InferenceRequestError(f"{url} rejected the request ({resp.status}): {(await resp.text())[:500]}")
             return await resp.json()
 
+    async def model_name(self, index: int) -> str:
+        """The model name requests to server ``index`` carry (see :meth:`_model_name`)."""
+        return await self._model_name(index)
+
     async def _model_name(self, index: int) -> str:
         """The served model id of server ``index`` (vLLM checks it), asked once; ``model`` when set."""
         if self.model is not None:

@@ -1,7 +1,8 @@
 """The built-in inference server (``inference.backend = "transformers"``): aiohttp over the dynamic-batching engine.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also with ``"stream": true``: server-sent
-events as the tokens are sampled), ``GET /v1/models``, ``GET /health``.
+events as the tokens are sampled), ``POST /inference/v1/generate`` (token ids in and out, :mod:`generate_api`),
+``GET /v1/models``, ``GET /health``.
 Every JSON response carries ``policy_version``. With ``redis.url`` set the server follows ``weights``
 and publishes ``served``; without it, it serves the model at ``model.path`` as version 0.
 
@@ -33,6 +34,7 @@ from workers.inference import prometheus
 from workers.inference.client import api_key
 from workers.inference.engine import Engine
 from workers.inference.engine_errors import BadRequest, EngineOverloaded, EngineStepFailed, EngineStopped
+from workers.inference.generate_api import generate_request, generate_response
 from workers.inference.guard import Counts, CountsReporter, auth_middleware
 from workers.inference.openai_api import (
     ApiError,
@@ -85,6 +87,7 @@ class InferenceServer:
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/inference/v1/generate", self.generate),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
@@ -180,6 +183,13 @@ class InferenceServer:
             if body.get("stream"):
                 return await self._stream(request, body, [prompt], params, chat=True)
             return self.renderer.chat((await self._generate([prompt], params))[0], body)
+
+        return await self._respond(request, handle)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        async def handle(body: dict) -> dict:
+            prompt_ids, params = generate_request(body)
+            return generate_response(await self._generate(prompt_ids, params), self.config.model.path)
 
         return await self._respond(request, handle)
 

@@ -38,6 +38,7 @@ from bus.state import DATA_EXHAUSTED, STOP_REASON_FIELD, exhausted_at
 from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.envs.registry import load_env
+from workers.envs.verifiers_env import load_tasks, vf_config_data
 from workers.lifecycle import cancel_and_wait
 from workers.run.accounting import group_counts
 from workers.run.eval import EvalCoordinator
@@ -485,6 +486,18 @@ def check_envs(config: RlbusConfig) -> dict[str, int]:
     eval_sizes = {}
     for section, envs in (("env", config.env), ("eval.env", config.eval.env)):
         for i, env in enumerate(envs):
+            if env.kind == "openenv":
+                if section == "eval.env":
+                    eval_sizes[env.resolved_name] = env.openenv.num_episodes
+                continue
+            if env.kind == "verifiers":
+                try:
+                    size = len(load_tasks(env, vf_config_data(env)))
+                except ConfigError as e:
+                    raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): {e}") from e
+                if section == "eval.env":
+                    eval_sizes[env.resolved_name] = size
+                continue
             try:
                 loaded = load_env(env.id, env.args)
             except ConfigError as e:

@@ -42,7 +42,7 @@ from bus.state import (
 )
 from bus.streams import Bus
 from workers.config import RlbusConfig
-from workers.envs.server import EnvHandle
+from workers.envs.connect import start_env
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 
 ISSUE_BATCH = 64
@@ -159,7 +159,7 @@ class FeederWorker:
         """Each env server's dataset size (spawning the servers that have no address)."""
         sizes = {}
         for env in self.config.env:
-            handle = await EnvHandle.start(env, timeout_s=self.config.rollout.env_timeout_s)
+            handle = await start_env(env, self.config.rollout.env_timeout_s, serve=False)
             try:
                 sizes[env.resolved_name] = int((await handle.info())["size"])
             finally:

@@ -32,15 +32,16 @@ from bus.keys import GROUP_ROLLOUT
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Task
 from bus.policy import PolicyTracker
-from bus.state import release_inflight
+from bus.state import INFLIGHT_FIELD, release_inflight
 from bus.streams import Bus
 from workers.config import RlbusConfig
 from workers.env_config import EnvConfig, EvalEnvConfig, SamplingConfig
-from workers.envs.server import EnvHandle
+from workers.envs.connect import start_env
 from workers.inference.client import InferenceClient, InferenceUnavailableError, OutageHold
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 from workers.stages.episode import AnswerRunner, ChatTokens, GroupRunner, chat_answers, reference_answers
 from workers.stages.gate import StalenessGate
+from workers.stages.traces import VerifiersRunner
 
 
 def served_adapter(config: RlbusConfig, tracker: PolicyTracker):
@@ -89,7 +90,7 @@ class RolloutWorker:
         for stream in self.streams:
             await self.bus.ensure_group(stream, GROUP_ROLLOUT)
         handles = await asyncio.gather(
-            *(EnvHandle.start(env, timeout_s=cfg.rollout.env_timeout_s) for env in self.envs.values())
+            *(start_env(env, cfg.rollout.env_timeout_s) for env in self.envs.values())
         )
         self.handles = dict(zip(self.envs, handles, strict=True))
         from transformers import AutoTokenizer  # heavy: only once the worker really starts
@@ -115,6 +116,7 @@ class RolloutWorker:
             self.sft_runner = AnswerRunner(chat, inf.max_model_len, served, chat_answers(teacher), "teacher")
         elif teacher is not None:
             self.sft_runner = GroupRunner(chat, teacher, teacher, inf.max_model_len, fallback_version=served)
+        self.vf_runner = VerifiersRunner(client, served, cfg.model.path, inf.api_key_var)
         self.reference_runner = AnswerRunner(chat, inf.max_model_len, served, reference_answers, "reference")
         self.log.info("rollout_ready", envs=list(self.envs), max_concurrent_groups=cfg.rollout.max_concurrent_groups)
 
@@ -255,7 +257,8 @@ class RolloutWorker:
                                                   "rollout/train_groups": float(task.eval_step is None)})
         try:
             await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)],
-                                  [(self.bus.keys.rollouts(task.env), group), (self.bus.keys.metrics(), metric)])
+                                  [(self.bus.keys.rollouts(task.env), group), (self.bus.keys.metrics(), metric)],
+                                  extra=self._recount(task, len(samples)))
         except NotOwned as e:
             log.warning("group_abandoned", error=str(e), hint="another worker reclaimed the task; its group counts")
             return
@@ -263,9 +266,19 @@ class RolloutWorker:
         log.info("group_done", reward=round(group.reward, 4), tokens=group.tokens, policy_version=group.policy_version,
                  total_s=round(timings["total_s"], 3))
 
+    def _recount(self, task: Task, samples: int):
+        """A training group of other than ``group_size`` samples (a verifiers episode may have several trainable
+        branches) moves ``inflight`` by the difference in its commit, so the feeder's count stays exact."""
+        if task.eval_step is not None or samples == task.group_size:
+            return None
+        state = self.bus.keys.state()
+        return lambda pipe: pipe.hincrby(state, INFLIGHT_FIELD, samples - task.group_size)
+
     def _runner(self, task: Task, env: EnvConfig):
         """Who makes the task's samples: the policy's servers, the teacher's (sft), or the env's reference (sft
-        from data)."""
+        from data); a verifiers env's runs (its harness calls the policy's servers itself)."""
+        if env.kind == "verifiers":
+            return self.vf_runner
         if task.mode != "sft":
             return self.runner
         return self.reference_runner if env.sft_source == "reference" else self.sft_runner
