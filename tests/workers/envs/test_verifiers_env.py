@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from workers.inference.process import InferenceProcess
 
 from bus.errors import ConfigError, RpcError
 from bus.local_redis import free_port
@@ -19,7 +20,6 @@ from tests.paths import REPO
 from workers.env_config import EnvConfig, SamplingConfig
 from workers.envs.verifiers_env import VerifiersHandle, load_tasks, vf_config_data
 from workers.inference.client import InferenceClient
-from workers.inference.process import InferenceProcess
 from workers.stages.episode import RolloutError
 from workers.stages.traces import VerifiersRunner, episode_samples
 
