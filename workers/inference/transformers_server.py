@@ -189,7 +189,8 @@ class InferenceServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         async def handle(body: dict) -> dict:
             prompt_ids, params = generate_request(body)
-            return generate_response(await self._generate(prompt_ids, params), self.config.model.path)
+            (generation,) = await self._generate([prompt_ids], params)
+            return generate_response(generation, self.config.model.path)
 
         return await self._respond(request, handle)
 

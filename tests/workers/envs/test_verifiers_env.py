@@ -103,7 +103,6 @@ def test_rlbus_and_its_own_envs_do_not_import_verifiers():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
 
 
-@pytest.mark.skip(reason="the verifiers episode ends not-ok since the inference hardening merge (passes on branch envs); to fix next session")
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_spawned_server_episodes_become_token_exact_samples(server, tiny_model_dir):
@@ -125,7 +124,7 @@ async def test_spawned_server_episodes_become_token_exact_samples(server, tiny_m
             assert 0.0 <= s.reward <= 1.0 and "exact" in s.metrics
             # The logprobs are the server's for exactly these ids: prefill prompt + completion and compare.
             ids = s.prompt_ids.tolist() + s.completion_ids.tolist()
-            prefill = await client.completions(ids, n=1, temperature=1.0, max_tokens=1, logprobs=False,
+            prefill = await client.completions(ids, n=1, temperature=1.0, max_tokens=1, logprobs=None,
                                                prompt_logprobs=True)
             expected = prefill.prompt_logprobs[len(prompt):]
             assert s.completion_logprobs.tolist() == pytest.approx(expected, abs=2e-3)
@@ -134,7 +133,6 @@ async def test_spawned_server_episodes_become_token_exact_samples(server, tiny_m
         await client.close()
 
 
-@pytest.mark.skip(reason="the verifiers episode ends not-ok since the inference hardening merge (passes on branch envs); to fix next session")
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_multi_turn_env_replies_are_never_trained_and_every_model_turn_is_once(server, tiny_model_dir):
@@ -153,7 +151,6 @@ async def test_multi_turn_env_replies_are_never_trained_and_every_model_turn_is_
         await client.close()
 
 
-@pytest.mark.skip(reason="the verifiers episode ends not-ok since the inference hardening merge (passes on branch envs); to fix next session")
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_an_env_server_killed_mid_run_fails_the_run_at_once_and_is_restarted(server, tiny_model_dir):
@@ -175,7 +172,6 @@ async def test_an_env_server_killed_mid_run_fails_the_run_at_once_and_is_restart
         await client.close()
 
 
-@pytest.mark.skip(reason="the verifiers episode ends not-ok since the inference hardening merge (passes on branch envs); to fix next session")
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_an_external_server_at_an_address(server, tiny_model_dir):

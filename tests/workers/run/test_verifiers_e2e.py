@@ -23,9 +23,6 @@ from tests.workers.run.test_session_e2e import (
 )
 from workers.env_config import EnvConfig
 
-pytestmark = pytest.mark.skip(reason="the verifiers episode ends not-ok since the inference hardening merge "
-                                 "(passes on branch envs); to fix next session")
-
 pytest.importorskip("verifiers.v1", reason="needs the verifiers extra: pip install 'rlbus[verifiers]'")
 
 TASKSETS = REPO / "tests" / "workers" / "envs" / "vf_tasksets"
