@@ -45,6 +45,21 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
+async def stop_child(process: asyncio.subprocess.Process, exited: asyncio.Future | None = None,
+                     grace_s: float = 5.0) -> None:
+    """Stop a spawned child and reap it: SIGTERM, SIGKILL when it is still there after ``grace_s``.
+
+    ``exited``: the future already waiting on ``process.wait()`` (a watcher's), awaited instead of a new wait."""
+    exited = exited if exited is not None else asyncio.ensure_future(process.wait())
+    if process.returncode is None and not exited.done():
+        process.terminate()
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), grace_s)
+        except TimeoutError:
+            process.kill()
+    await exited
+
+
 async def connect_bus(config: RlbusConfig, worker: str) -> Bus:
     """The run's Bus, renewing this worker's heartbeat (``rlbus health``); a missing ``redis.url`` is a user error
     naming the fix."""

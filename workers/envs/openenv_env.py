@@ -32,7 +32,7 @@ from bus.errors import ConfigError, RpcError
 from bus.local_redis import free_port
 from bus.log import get_logger
 from workers.env_config import OPENENV_INSTALL, EnvConfig
-from workers.lifecycle import die_with_parent
+from workers.lifecycle import die_with_parent, stop_child
 
 
 def require_openenv() -> Any:
@@ -180,11 +180,5 @@ class OpenEnvHandle:
 
     async def _stop_process(self) -> None:
         process, self._process = self._process, None
-        if process is None or process.returncode is not None:
-            return
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), 5.0)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        if process is not None:
+            await stop_child(process)

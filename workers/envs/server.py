@@ -38,7 +38,7 @@ from workers.config import RlbusConfig
 from workers.env_config import EnvConfig
 from workers.envs.base import Environment
 from workers.envs.registry import load_env
-from workers.lifecycle import die_with_parent, run_worker
+from workers.lifecycle import die_with_parent, run_worker, stop_child
 
 ARGS_VAR = "RLBUS_ENV_ARGS"
 """Environment variable a spawned server reads its env's args from (JSON), so they (secrets, possibly) stay out of
@@ -279,12 +279,5 @@ class EnvHandle:
     async def _stop_process(self) -> None:
         process, exited = self._process, self._exited
         self._process = self._exited = None
-        if process is None or exited is None:
-            return
-        if not exited.done():
-            process.terminate()
-            try:
-                await asyncio.wait_for(asyncio.shield(exited), 5.0)
-            except TimeoutError:
-                process.kill()
-        await exited
+        if process is not None and exited is not None:
+            await stop_child(process, exited)

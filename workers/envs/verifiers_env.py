@@ -33,7 +33,7 @@ from typing import Any
 from bus.errors import ConfigError, RpcError
 from bus.log import get_logger
 from workers.env_config import VERIFIERS_INSTALL, EnvConfig
-from workers.lifecycle import die_with_parent
+from workers.lifecycle import die_with_parent, stop_child
 
 DEFAULT_AGENT = {"harness": {"id": "rlbus-chat"}, "runtime": {"type": "subprocess"}}
 """What an agent seat the config leaves unset plays with: the in-process harness on the local machine."""
@@ -242,15 +242,8 @@ class VerifiersHandle:
     async def _stop_process(self) -> None:
         process, exited = self._process, self._exited
         self._process = self._exited = None
-        if process is None or exited is None:
-            return
-        if not exited.done():
-            process.terminate()
-            try:
-                await asyncio.wait_for(asyncio.shield(exited), 5.0)
-            except TimeoutError:
-                process.kill()
-        await exited
+        if process is not None and exited is not None:
+            await stop_child(process, exited)
 
 
 def _server_path() -> str:
