@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from bus.messages import Metric
-from workers.config import RlbusConfig, WandbConfig
+from workers.config import RlbusConfig
+from workers.monitor_config import WandbConfig
 
 HIDDEN_ARGS = {"args"}
 """Env fields never sent to W&B: an env's factory arguments may hold secrets (a remote env's API key)."""

@@ -15,7 +15,6 @@ workers run elsewhere (docker compose); it needs ``redis.url``.
 """
 
 import asyncio
-import netrc
 import os
 import shutil
 import signal
@@ -37,12 +36,11 @@ from bus.messages import Metric
 from bus.state import DATA_EXHAUSTED, STOP_REASON_FIELD, exhausted_at
 from bus.streams import Bus
 from workers.config import RlbusConfig
-from workers.envs.registry import load_env
-from workers.envs.verifiers_env import load_tasks, vf_config_data
 from workers.lifecycle import cancel_and_wait
 from workers.run.accounting import group_counts
+from workers.run.checks import check_envs, check_has_env, check_models, check_wandb
 from workers.run.eval import EvalCoordinator
-from workers.run.hub import fetch_hub_model, is_hub_id
+from workers.run.hub import is_hub_id
 from workers.run.metrics import MetricsWriter, wandb_config
 from workers.run.report import bench_numbers, build_summary, summary_text, write_report, write_summary
 from workers.run.resolved import child_password, dump_toml, needs_teacher_server, resolve, torch_threads
@@ -436,79 +434,6 @@ class RunSession:
             print(f"rlbus run: {self.fatal}", file=sys.stderr)
             return 1
         return 0
-
-
-def missing_local_folder(path: str) -> bool:
-    """A path that names a local folder (absolute, relative with ./ or ../, or deeper than a hub's org/name) that
-    is not there; ``org/name`` may be a hub id, left to transformers where a hub is reachable."""
-    if Path(path).exists():
-        return False
-    return Path(path).is_absolute() or path.startswith(".") or path.strip("/").count("/") >= 2
-
-
-def check_models(config: RlbusConfig) -> None:
-    """The teacher's folder exists before anything starts (the policy's is built from model.init_preset); a hub id
-    (the policy's or the teacher's) is in the hub cache, fetched once here if it is not."""
-    teacher = config.teacher.path if config.teacher is not None else None
-    served = teacher if needs_teacher_server(config) else None
-    for what, path in (("model.path", config.model.path), ("teacher.path", served)):
-        if path is not None and is_hub_id(path):
-            fetch_hub_model(path, what)
-    if teacher is not None and needs_teacher_server(config) and missing_local_folder(teacher):
-        raise ConfigError(f"teacher.path={teacher!r} does not exist; put a teacher there (a trained run's weights "
-                          f"folder, or `rlbus init-model --out {teacher}` for a random one to try the pipeline) or "
-                          "list running teacher servers in teacher.base_urls")
-
-
-def check_wandb(config: RlbusConfig) -> None:
-    """W&B online has an API key to log in with (``WANDB_API_KEY`` or ``wandb login``'s netrc entry); without one
-    ``wandb.init`` stops the run after every worker has started."""
-    if config.wandb is None or config.wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
-        return
-    try:
-        logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (OSError, netrc.NetrcParseError):
-        logged_in = False
-    if not logged_in:
-        raise ConfigError("wandb.mode = \"online\" needs a W&B API key and none is configured; set WANDB_API_KEY, "
-                          "run `wandb login`, or set wandb.mode = \"offline\"")
-
-
-def check_has_env(config: RlbusConfig) -> None:
-    """A run trains on at least one env (the feeder, filter and packer would each stop on none)."""
-    if not config.env:
-        raise ConfigError("no [[env]] configured; a run needs at least one training env (an [[env]] with an id)")
-
-
-def check_envs(config: RlbusConfig) -> dict[str, int]:
-    """Load every train and eval env once, in-process, so a bad id or args stops the run before anything starts;
-    returns the dataset size of each eval env (the eval coordinator picks its examples from them)."""
-    eval_sizes = {}
-    for section, envs in (("env", config.env), ("eval.env", config.eval.env)):
-        for i, env in enumerate(envs):
-            if env.kind == "openenv":
-                if section == "eval.env":
-                    eval_sizes[env.resolved_name] = env.openenv.num_episodes
-                continue
-            if env.kind == "verifiers":
-                try:
-                    size = len(load_tasks(env, vf_config_data(env)))
-                except ConfigError as e:
-                    raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): {e}") from e
-                if section == "eval.env":
-                    eval_sizes[env.resolved_name] = size
-                continue
-            try:
-                loaded = load_env(env.id, env.args)
-            except ConfigError as e:
-                raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): {e}") from e
-            if env.mode == "sft" and env.sft_source == "reference" and loaded.reference_fn is None:
-                raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): sft_source = \"reference\" but env "
-                                  f"{env.id!r} has no reference answers; use an env that has them (dataset, "
-                                  "reasoning_gym) or sft_source = \"teacher\"")
-            if section == "eval.env":
-                eval_sizes[env.resolved_name] = len(loaded)
-    return eval_sizes
 
 
 def _tail(path: Path | str, lines: int = 20) -> str:

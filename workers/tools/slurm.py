@@ -20,8 +20,9 @@ from pathlib import Path
 from bus.config import split_password
 from bus.errors import ConfigError
 from workers.config import RlbusConfig
+from workers.run.checks import missing_local_folder
 from workers.run.resolved import dump_toml
-from workers.run.session import RUN_STATE, missing_local_folder
+from workers.run.session import RUN_STATE
 from workers.tools.slurm_script import PASSWORD_VAR, rollout_script, run_script
 
 

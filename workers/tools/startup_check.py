@@ -1,7 +1,7 @@
 """What would stop ``rlbus run`` at start, without starting anything: a config (as a dict) → one line per problem.
 
 The same checks ``rlbus run`` makes before it starts a process (``check_has_env``, ``check_envs``,
-``check_models`` and ``check_wandb`` of :mod:`workers.run.session`), after the config model's own validation;
+``check_models`` and ``check_wandb`` of :mod:`workers.run.checks`), after the config model's own validation;
 each env is checked on its own, so every env that would not load is named, not only the first. Whether an env
 runs is the env registry's and the config model's to say (an env form this checkout does not know fails
 validation, and is reported as such).
@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from bus.errors import ConfigError
 from workers.config import RlbusConfig
-from workers.run.session import check_envs, check_has_env, check_models, check_wandb
+from workers.run.checks import check_envs, check_has_env, check_models, check_wandb
 
 
 def startup_problems(data: dict) -> list[str]:

@@ -5,8 +5,8 @@ import pytest
 
 from bus.errors import ConfigError
 from workers.config import RlbusConfig
+from workers.run.checks import check_models
 from workers.run.hub import is_hub_id
-from workers.run.session import check_models
 
 
 def test_a_hub_id_is_org_slash_name_that_is_not_a_local_folder(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import pytest
 from tests.paths import REPO
 from tests.workers.run.test_session_e2e import start_run, stdout_of, summary, wait_exit
 from trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from trainer.weights import MANIFEST_NAME
 
 LORA = REPO / "configs" / "lora.toml"
 LORA_GAIN = 0.05
@@ -29,7 +30,7 @@ def test_a_lora_stage_learns_and_publishes_only_adapters(tmp_path, tiny_model_di
     assert held_out(lora, 0) == pytest.approx(held_out(sft, 100)), "the LoRA stage starts from stage sft's weights"
     assert held_out(lora, 75) >= held_out(sft, 100) + LORA_GAIN, (sft["eval"], lora["eval"])
     last = out / "lora" / "weights" / "step_75"
-    assert {p.name for p in last.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
+    assert {p.name for p in last.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST_NAME}
     whole = sum(p.stat().st_size for p in (out / "sft" / "weights" / "step_100").glob("*.safetensors"))
     assert (last / ADAPTER_WEIGHTS).stat().st_size < 0.25 * whole
     print(f"lora e2e: sft {held_out(sft, 100):.3f} -> lora {held_out(lora, 75):.3f} in {time.monotonic() - started:.0f}s")
