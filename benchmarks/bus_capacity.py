@@ -9,10 +9,11 @@ level runs ``--seconds``; the load rises (``--levels``: producers, as many consu
 rises by less than 10%. Per level: sustained samples/s (the lower of committed and consumed) and MB/s, p50/p99
 commit latency, Redis CPU (``INFO cpu`` deltas over wall time, in cores), the samples/s at which Redis's one command
 core would be full at that CPU per sample (an extrapolation: it holds where the clients, not Redis, ran out), peak
-``used_memory``, the clients' CPU (their own ``getrusage``, in cores) and the whole box's (``/proc/stat``). At the top level the same bytes go through bare redis-py (XADD of the encoded
-fields; XREADGROUP + XACK) for the ratio; then which resource saturated first. Then Redis's own time for one commit
-of 1 to 64 MB of groups (a packer commits a step's micro-batches at once; Redis serves nothing else meanwhile). Last line: ``bus/bare ratio: X``
-(sustained MB/s at the top level, the lowest over the token sizes).
+``used_memory``, the clients' CPU (their own ``getrusage``, in cores) and the whole box's (``/proc/stat``). At the
+top level the same bytes go through bare redis-py (XADD of the encoded fields; XREADGROUP + XACK) for the ratio; then
+which resource saturated first. Then Redis's own time for one commit of 1 to 64 MB of groups (a packer commits a
+step's micro-batches at once; Redis serves nothing else meanwhile). Last line: ``bus/bare ratio: X`` (sustained MB/s
+at the top level, the lowest over the token sizes).
 
     python benchmarks/bus_capacity.py [--tokens 2048 8192 32768] [--levels 1 2 4 8] [--seconds 5]
         [--commit-mb 1 4 16 64] [--quick]
@@ -174,9 +175,11 @@ class Level:
         p50, p99 = (np.percentile(self.latencies, [50, 99]) * 1e3) if self.latencies else (float("nan"),) * 2
         return (f"{'bare' if self.bare else 'bus':<4} {self.producers:>2} producers + {self.producers:>2} consumers: "
                 f"{self.samples_per_s:8.0f} samples/s {self.mb_per_s:7.1f} MB/s (committed "
-                f"{self.committed * self.samples / self.wall_s:.0f}, consumed {self.consumed * self.samples / self.wall_s:.0f}"
+                f"{self.committed * self.samples / self.wall_s:.0f}, "
+                f"consumed {self.consumed * self.samples / self.wall_s:.0f}"
                 f" samples/s) | commit p50 {p50:6.1f} ms p99 {p99:6.1f} ms | redis cpu {self.redis_cpu:4.2f} cores, "
-                f"peak used_memory {self.redis_memory / 2**20:6.1f} MiB, one core at {self.redis_ceiling:.0f} samples/s | clients cpu {self.client_cpu:4.2f} cores"
+                f"peak used_memory {self.redis_memory / 2**20:6.1f} MiB, one core at {self.redis_ceiling:.0f} samples/s"
+                f" | clients cpu {self.client_cpu:4.2f} cores"
                 + ("" if self.box_cpu is None else f", the box busy {self.box_cpu:4.2f} cores"))
 
 

@@ -204,9 +204,11 @@ def main() -> None:
         scraped_rate = (exp3 - exp2) / (t3 - t2)
         run_rate = (run1 - run0) / (t1 - t0)
         print(f"run (every process of `rlbus run`): {run_rate:.2f} CPU-s/s")
-        print(f"exporter, following only:           {follow_rate * 1000:.1f} CPU-ms/s ({follow_rate / run_rate:.1%} of the run)")
+        print(f"exporter, following only:           {follow_rate * 1000:.1f} CPU-ms/s "
+              f"({follow_rate / run_rate:.1%} of the run)")
         print(f"exporter, scraped every 1 s:        {scraped_rate * 1000:.1f} CPU-ms/s over {scrapes:.0f} scrapes")
-        print(f"one scrape (process CPU delta):     {(scraped_rate - follow_rate) * (t3 - t2) / scrapes * 1000:.1f} CPU-ms"
+        print("one scrape (process CPU delta):     "
+              f"{(scraped_rate - follow_rate) * (t3 - t2) / scrapes * 1000:.1f} CPU-ms"
               " (noisy: the follower's share moves with the run's pace)")
         print(f"one scrape (its collect thread):    {(collect1 - collect0) / scrapes * 1000:.1f} CPU-ms")
         if args.plot:

@@ -5,10 +5,10 @@
 
 Both train the config's model (built by ``rlbus init-model``, the same random init), env, batch (prompts × group
 size), group size, learning rate (constant), grad clip, completion length and temperature, for ``--steps``
-optimizer steps, on CPU, per seed (the model's init and the run's seed). TRL runs strictly on-policy (one update per generation batch,
-``loss_type = "dapo"``, no KL, no std scaling: the closest to rlbus's default loss); rlbus runs as configured
-(asynchronous). For each it prints the wall time, trained samples per second, the training reward per window of
-steps and the held-out greedy reward at the end (the config's first eval env, scored the same way for both);
+optimizer steps, on CPU, per seed (the model's init and the run's seed). TRL runs strictly on-policy (one update per
+generation batch, ``loss_type = "dapo"``, no KL, no std scaling: the closest to rlbus's default loss); rlbus runs as
+configured (asynchronous). For each it prints the wall time, trained samples per second, the training reward per
+window of steps and the held-out greedy reward at the end (the config's first eval env, scored the same way for both);
 the last line is ``rlbus/trl samples-per-second ratio: X`` (the mean over seeds of each), after the mean held-out
 greedy reward of each.
 """
@@ -145,7 +145,8 @@ def main() -> None:
                     result = trl_subprocess(args.config, model_dir, out, args.steps, seed)
                 per_s = result["steps"] * config.batch_size() / result["wall_s"]
                 print(f"{tool:5s} seed {seed}: {result['steps']} steps in {result['wall_s']:.0f} s, "
-                      f"{per_s:.1f} trained samples/s; train reward per {WINDOWS} windows {windows(result['rewards'])}; "
+                      f"{per_s:.1f} trained samples/s; "
+                      f"train reward per {WINDOWS} windows {windows(result['rewards'])}; "
                       f"held-out greedy {result['greedy']:.3f}", flush=True)
                 speed[tool].append(per_s)
                 greedy[tool].append(result["greedy"])

@@ -3,12 +3,12 @@
     pip install -e '.[bench]'     # py-spy
     python benchmarks/profile_roles.py [--config configs/default.toml] [--warm 30] [--seconds 30] [--top 6]
 
-Starts ``rlbus run`` (a fresh output folder, a free inference port; other arguments are overrides), waits for step ``--warm`` (compilation and
-start-up are over), then, for ``--seconds``, reads each process's CPU time from ``/proc`` and samples its Python
-stacks with py-spy (``--nonblocking``, 50 Hz; idle threads are not sampled, so the shares are of its busy time).
-Then it stops the run. Per role it prints the share of one core it used, steps trained in the window, and its top
-functions: inclusive (the repository's own, where a step's work is decided) and self (any module: where the CPU
-actually goes). Last line: ``cpu per step: …`` (core-seconds per trained step, by role).
+Starts ``rlbus run`` (a fresh output folder, a free inference port; other arguments are overrides), waits for step
+``--warm`` (compilation and start-up are over), then, for ``--seconds``, reads each process's CPU time from ``/proc``
+and samples its Python stacks with py-spy (``--nonblocking``, 50 Hz; idle threads are not sampled, so the shares are
+of its busy time). Then it stops the run. Per role it prints the share of one core it used, steps trained in the
+window, and its top functions: inclusive (the repository's own, where a step's work is decided) and self (any module:
+where the CPU actually goes). Last line: ``cpu per step: …`` (core-seconds per trained step, by role).
 """
 
 import argparse

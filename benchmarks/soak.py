@@ -65,7 +65,8 @@ def main() -> None:
     mb = lambda b: b / 2**20  # noqa: E731
     print(f"soak: {args.steps} steps in {wall_s:.0f}s, {len(samples)} memory samples from step {first[0]}")
     print(f"used_memory  start (step {first[0]}) {mb(first[1]):.2f} MiB   middle (step {middle[0]}) "
-          f"{mb(middle[1]):.2f} MiB   end (step {end[0]}) {mb(end[1]):.2f} MiB   max {mb(max(b for _, b in samples)):.2f} MiB")
+          f"{mb(middle[1]):.2f} MiB   end (step {end[0]}) {mb(end[1]):.2f} MiB   "
+          f"max {mb(max(b for _, b in samples)):.2f} MiB")
     print(f"soak end/middle used_memory ratio: {end[1] / middle[1]:.2f}")
 
 

@@ -118,7 +118,8 @@ def bare_step(args, device, dtype, d) -> Callable[[], None]:
 
 def trainer_step(args, device, dtype, d) -> Callable[[], None]:
     lm = build(args.preset, device, dtype)
-    policy = PolicyModel(lm, chunk_size=args.chunk_size, compile_head=args.compile, keep_bytes=args.logits_keep_mb * 2**20)
+    policy = PolicyModel(lm, chunk_size=args.chunk_size, compile_head=args.compile,
+                         keep_bytes=args.logits_keep_mb * 2**20)
     if args.compile:
         compile_layers(lm)
     opt = build_optimizer(policy, TRAINER_CFG)
@@ -161,7 +162,8 @@ def timed(step, args, device) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: tiny on cpu, qwen3-0.6b on cuda")
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                        help="default: tiny on cpu, qwen3-0.6b on cuda")
     parser.add_argument("--batch", type=int, default=None, help="sequences (micro-batches); default 4 cpu / 8 cuda")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default 256 cpu / 2048 cuda")
     parser.add_argument("--sample-len", type=int, default=None, help="tokens per packed sample (default: seq-len)")
@@ -169,9 +171,11 @@ def main() -> None:
     parser.add_argument("--logits-keep-mb", type=int, default=1024,
                         help="trainer.logits_keep_mb: MiB the head may keep for its backward (0: recompute)")
     parser.add_argument("--forward-batch", type=int, default=None,
-                        help="trainer micro-batches per forward pass (trainer.forward_batch); default: --batch, as bare")
+                        help="trainer micro-batches per forward pass (trainer.forward_batch); "
+                             "default: --batch, as bare")
     parser.add_argument("--steps", type=int, default=None, help="steps per round; default 10 cpu / 3 cuda")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds each loop runs, taking turns; default 7 cpu / 3 cuda")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds each loop runs, taking turns; default 7 cpu / 3 cuda")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (both loops)")
     parser.add_argument("--only", choices=["trainer", "bare"], default=None)
@@ -190,7 +194,8 @@ def main() -> None:
     dtype = torch.bfloat16 if gpu else torch.float32
     d = data(args, PRESETS[args.preset]["vocab_size"])
     print(f"preset={args.preset} device={device} dtype={dtype} tokens/step={args.batch}x{args.seq_len} "
-          f"sample_len={args.sample_len} compile={args.compile} steps={args.steps} rounds={args.rounds} warmup={args.warmup} forward_batch={args.forward_batch}", flush=True)
+          f"sample_len={args.sample_len} compile={args.compile} steps={args.steps} rounds={args.rounds} "
+          f"warmup={args.warmup} forward_batch={args.forward_batch}", flush=True)
     flops = peak_flops(device)
     meta = PolicyModel(build(args.preset, "meta", dtype)) if flops else None
     names = [name for name in ("trainer", "bare") if not args.only or args.only == name]

@@ -40,7 +40,8 @@ def trainer_path(model, server, device, root: Path, host: HostCopy, max_shard_mb
     cpu, d2h = clock(device, lambda: host(state))
     _, write = clock(device, lambda: write_shards(cpu, root / f"step_{step}", max_shard_mb))  # save_weights' I/O
     tensors, read = clock(device, lambda: read_weights(root / f"step_{step}", "cpu"))
-    _, load = clock(device, lambda: load_tensors_into(server, {k: v.to(device, non_blocking=True) for k, v in tensors.items()}))
+    _, load = clock(device, lambda: load_tensors_into(server, {k: v.to(device, non_blocking=True)
+                                                               for k, v in tensors.items()}))
     return dict(d2h=d2h, write=write, read=read, load=load)
 
 
@@ -57,7 +58,8 @@ def bare_path(model, server, device, root: Path, step: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: small on cpu, qwen3-0.6b on cuda")
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                        help="default: small on cpu, qwen3-0.6b on cuda")
     parser.add_argument("--dir", default=None, help="where to write (default: /dev/shm when present, else a temp dir)")
     parser.add_argument("--max-shard-mb", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)

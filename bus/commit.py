@@ -66,10 +66,10 @@ redis.call('SET', KEYS[1], cjson.encode(ids), 'PX', ttl)
 return ids
 """
 """KEYS[1]: this commit's record (its reply once it ran; the script returns that reply when the record exists).
-ARGV: consumer, the record's TTL (ms), then the acks (count; key index, group, id each), the guard (flag; key index, field,
-present flag, expected), the XADDs (count; key index, maxlen (0: none), pair count, fields and values each) and the
-extra commands (count; argument count, name, key index, the other arguments each). KEYS: the record, then every key
-touched."""
+ARGV: consumer, the record's TTL (ms), then the acks (count; key index, group, id each), the guard (flag; key index,
+field, present flag, expected), the XADDs (count; key index, maxlen (0: none), pair count, fields and values each) and
+the extra commands (count; argument count, name, key index, the other arguments each). KEYS: the record, then every
+key touched."""
 
 RECORD_MARGIN_S = 60.0
 """How long a commit's record outlives redis-py's retry window (``redis.reconnect_timeout_s``): the tries themselves
@@ -106,7 +106,8 @@ class NotOwned(CommitConflict):
 
 
 class CommandRecorder(CoreCommands):
-    """Takes redis-py command calls (``hincrby``, ``hset``, …) and keeps their argument lists instead of sending them."""
+    """Takes redis-py command calls (``hincrby``, ``hset``, …) and keeps their argument lists instead of sending
+    them."""
 
     def __init__(self) -> None:
         self.commands: list[tuple[Any, ...]] = []

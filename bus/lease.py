@@ -81,7 +81,8 @@ class Lease:
         while True:
             await asyncio.sleep(self.ttl_ms / 3000)
             if not self._renewed(await self.bus.redis.eval(_RENEW_LUA, 1, self.key, self.holder, self.ttl_ms)):
-                raise LeaseLost(f"{self.key} is no longer held by {self.holder}; stopping so that only one holder works")
+                raise LeaseLost(f"{self.key} is no longer held by {self.holder}; "
+                                "stopping so that only one holder works")
 
     def _renewed(self, reply: int) -> bool:
         """Whether a reply of :data:`_RENEW_LUA` leaves the lease ours (a retaking is logged)."""

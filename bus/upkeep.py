@@ -69,7 +69,8 @@ class GroupUpkeep:
         """Renew the entries this consumer owns; the ones it no longer owns."""
         if not entries:
             return []
-        lost = await self._renew_script(keys=[s for s, _ in entries], args=[group, self.worker, *(i for _, i in entries)])
+        lost = await self._renew_script(keys=[s for s, _ in entries],
+                                        args=[group, self.worker, *(i for _, i in entries)])
         return [entries[int(k)] for k in lost]
 
     async def take_over(self, stream: str, group: str) -> int:

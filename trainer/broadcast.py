@@ -49,7 +49,8 @@ def _process_group(store: dist.Store, rank: int, size: int, device: torch.device
 
 def manifest(state: Mapping[str, Tensor]) -> list[WeightTensor]:
     """Name, dtype and shape of each tensor, in broadcast order."""
-    return [WeightTensor(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape)) for n, t in state.items()]
+    return [WeightTensor(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+            for n, t in state.items()]
 
 
 class WeightBroadcaster:
@@ -102,7 +103,8 @@ def receive_weights(event: WeightUpdate, device: torch.device | str, timeout_s: 
     rank = prefix.add("rank", 1)
     if rank >= event.world_size:
         raise RuntimeError(f"update {event.step}: got rank {rank} of world size {event.world_size}; "
-                           "more receivers joined than trainer.inference_world_size (default: one per inference server URL)")
+                           "more receivers joined than trainer.inference_world_size "
+                           "(default: one per inference server URL)")
     comm_device = device if device.type == "cuda" else torch.device("cpu")
     group = _process_group(prefix, rank, event.world_size, comm_device, timeout_s,
                            local_address_towards(event.host, event.port))

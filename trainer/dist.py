@@ -89,7 +89,8 @@ def all_reduce_max(tensor: Tensor, ctx: DistContext) -> Tensor:
 
 
 def full_state_dict(policy: nn.Module, ctx: DistContext) -> dict[str, Tensor]:
-    """The Hugging Face state dict of ``policy.lm``: live tensors for one rank; gathered on CPU (rank 0) when sharded."""
+    """The Hugging Face state dict of ``policy.lm``: live tensors for one rank; gathered on CPU (rank 0) when
+    sharded."""
     if not ctx.distributed:
         return policy.lm.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

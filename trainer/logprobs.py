@@ -109,7 +109,8 @@ class ChunkedLogprobs(torch.autograd.Function):
         if not ctx.entropy_grad:
             grad_entropy = None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                       if ctx.needs_input_grad[1] else None)
         for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h, kept = hidden[start:end], ctx.kept[i]
@@ -203,7 +204,8 @@ class PolicyModel(nn.Module):
             logprobs, entropy = self._next_tokens(input_ids, position_ids, temperatures)
             zero = logprobs.new_zeros(input_ids.shape[0], 1)
             if not rows:  # concatenate the 1-D rows: a fresh tensor, not a view (FSDP hooks the module's outputs)
-                return TokenLogprobs(logprobs=torch.cat([zero[0], logprobs[0]]), entropy=torch.cat([zero[0], entropy[0]]))
+                return TokenLogprobs(logprobs=torch.cat([zero[0], logprobs[0]]),
+                                     entropy=torch.cat([zero[0], entropy[0]]))
             return TokenLogprobs(logprobs=torch.cat([zero, logprobs], dim=1), entropy=torch.cat([zero, entropy], dim=1))
         logprobs, entropy = self._from_sources(input_ids, position_ids, temperatures, attention_mask, sources)
         none = (sources if rows else sources[0]) < 0  # masked_fill: a fresh tensor of the input's shape, as above

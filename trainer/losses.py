@@ -103,7 +103,8 @@ def ppo_loss(inputs: LossInputs, clip_low: float = 0.2, clip_high: float = 0.2, 
 def opd_loss(inputs: LossInputs) -> LossTerms:
     """On-policy distillation: the dppo form with A = sg(logπ_teacher − logπ); knobs fixed as in prime-rl."""
     if inputs.teacher_logprobs is None:
-        raise ValueError("an opd micro-batch has no teacher_logprobs; the rollout must fetch teacher logprobs in opd mode")
+        raise ValueError("an opd micro-batch has no teacher_logprobs; "
+                         "the rollout must fetch teacher logprobs in opd mode")
     adv = (inputs.teacher_logprobs - inputs.logprobs).detach()
     return _dppo(inputs, adv, adv_tau=1.0, kl_tau=1e-3, low=0.2, high=0.2)
 

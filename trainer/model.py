@@ -37,7 +37,8 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> nn
     from transformers import AutoModelForCausalLM
 
     if not Path(path).exists() and Path(path).is_absolute():
-        raise ConfigError(f"model.path={str(path)!r} does not exist; run `rlbus init-model --out {path}` or fix the path")
+        raise ConfigError(f"model.path={str(path)!r} does not exist; "
+                          f"run `rlbus init-model --out {path}` or fix the path")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
     return model.to(device).train()

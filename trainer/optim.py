@@ -32,5 +32,6 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR applying :func:`lr_factor`; cosine needs ``run.max_steps``."""
     if cfg.schedule == "cosine" and max_steps is None:
-        raise ConfigError("trainer.schedule='cosine' needs run.max_steps to know where the decay ends; set run.max_steps")
+        raise ConfigError("trainer.schedule='cosine' needs run.max_steps to know where the decay ends; "
+                          "set run.max_steps")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))

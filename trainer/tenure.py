@@ -4,8 +4,9 @@ Rank 0 holds ``lease:trainer`` (renewed from a thread, so a long step or checkpo
 trainer, but only while the loop calls :meth:`TrainerTenure.check` within ``trainer.progress_timeout_s``, so a
 wedged one lets it lapse); the other ranks of its group wait until their rank 0 holds it. A standby loads its
 model, then waits; when the holder dies its lease expires and the standby resumes from the newest checkpoint, as a
-restarted trainer would. Every publication of the holder (weights events, ``trained``) is a commit guarded on the state field
-:data:`bus.state.TRAINER_FIELD` (``{holder}@{step}``) it last wrote, which makes two things refuse the write:
+restarted trainer would. Every publication of the holder (weights events, ``trained``) is a commit guarded on the
+state field :data:`bus.state.TRAINER_FIELD` (``{holder}@{step}``) it last wrote, which makes two things refuse the
+write:
 
 - another trainer took over meanwhile (this one was stalled past the lease): the field names someone else;
 - Redis went back to an older copy of the run (a restored snapshot, writes lost with a host): its step is behind.

@@ -4,9 +4,9 @@
 ``model.safetensors.index.json``, ``config.json`` and a manifest of every shard's size and sha256
 (``rlbus-files.json``) into a temp dir next to the target, fsyncs it, then renames it, so a reader never sees a
 half-written update, not even after a power cut. A folder re-published after a restart is first checked against
-its manifest (:func:`verified_weights`): a damaged one is rewritten, never published with the hashes of its damage. Tied weights are stored once (as
-Hugging Face does); ``load_weights_into`` re-ties them. On GPU the tensors go device-to-host
-through pinned buffers kept between steps (:class:`HostCopy`).
+its manifest (:func:`verified_weights`): a damaged one is rewritten, never published with the hashes of its damage.
+Tied weights are stored once (as Hugging Face does); ``load_weights_into`` re-ties them. On GPU the tensors go
+device-to-host through pinned buffers kept between steps (:class:`HostCopy`).
 """
 
 import json
@@ -164,7 +164,8 @@ def read_weights(dir: Path | str, device: torch.device | str = "cpu") -> dict[st
     """Every tensor of a weights directory (index json or a single ``model.safetensors``)."""
     dir = Path(dir)
     index = dir / INDEX_NAME
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    names = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     tensors: dict[str, Tensor] = {}
     for name in names:
         tensors.update(load_file(dir / name, device=str(device)))
@@ -210,7 +211,8 @@ def load_weights_into(model: nn.Module, dir: Path | str) -> None:
 def prune_weights(output_dir: Path | str, keep: int, protected: set[int]) -> list[int]:
     """Delete ``step_*`` weight dirs beyond the newest ``keep``, never one in ``protected`` (served, eval hold)."""
     root = Path(output_dir) / "weights"
-    steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit())
+    steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*")
+                   if p.name.removeprefix("step_").isdigit())
     doomed = [s for s in steps[:-keep] if s not in protected] if len(steps) > keep else []
     for s in doomed:
         shutil.rmtree(root / f"step_{s}", ignore_errors=True)

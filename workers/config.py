@@ -80,7 +80,8 @@ class ModelConfig(Section):
     """Weights dtype: auto = float32 on CPU, bfloat16 on GPU."""
 
     init_preset: Literal["tiny", "small"] | None = "tiny"
-    """When ``path`` does not exist, ``rlbus run`` builds a random-init model of this preset there; None: fail instead."""
+    """When ``path`` does not exist, ``rlbus run`` builds a random-init model of this preset there; None: fail
+    instead."""
 
     lora: LoraConfig | None = None
     """Train a LoRA adapter instead of every weight (``[model.lora]``, or ``--model.lora.rank 8``): the trainer
@@ -321,7 +322,8 @@ class RlbusConfig(Section):
             if "mode" not in env.model_fields_set:
                 env.mode = self.training_mode
             reference = env.mode == "sft" and env.sft_source == "reference"
-            for field, value in (("group_size", 1 if reference else self.group_size), ("max_retries", self.max_retries)):
+            for field, value in (("group_size", 1 if reference else self.group_size),
+                                 ("max_retries", self.max_retries)):
                 if field not in env.model_fields_set:
                     setattr(env, field, value)
             env.sampling = inherit(self.sampling, env.sampling)

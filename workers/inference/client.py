@@ -123,7 +123,8 @@ class InferenceClient:
     @classmethod
     def from_config(cls, config: RlbusConfig) -> "InferenceClient":
         cfg = config.inference
-        return cls(config.inference_urls(), cfg.request_timeout_s, cfg.max_retries, cfg.api_key_var, cfg.headers_from_env)
+        return cls(config.inference_urls(), cfg.request_timeout_s, cfg.max_retries, cfg.api_key_var,
+                   cfg.headers_from_env)
 
     def pick_server(self) -> int:
         """The next server index, round-robin (pin a group's requests to it)."""

@@ -175,8 +175,8 @@ class Engine:
             if self.error is not None or self._stop:
                 raise EngineStopped(f"inference engine is not running: {self.error!r}")
             if self.max_queued is not None and self.queued_sequences + count > self.max_queued:
-                raise EngineOverloaded(f"{self.queued_sequences} sequences wait already (inference.max_queued_sequences="
-                                       f"{self.max_queued}); retry later")
+                raise EngineOverloaded(f"{self.queued_sequences} sequences wait already "
+                                       f"(inference.max_queued_sequences={self.max_queued}); retry later")
             self._pending.extend(requests)
             self.queued_sequences += count
             self._cond.notify()
@@ -187,8 +187,8 @@ class Engine:
         if not prompt_ids:
             raise BadRequest("the prompt is empty; send at least one token", "prompt")
         if len(prompt_ids) >= self.max_model_len:
-            raise BadRequest(f"prompt of {len(prompt_ids)} tokens leaves no room within "
-                             f"max_model_len={self.max_model_len}; shorten it or raise inference.max_model_len", "prompt")
+            raise BadRequest(f"prompt of {len(prompt_ids)} tokens leaves no room within max_model_len="
+                             f"{self.max_model_len}; shorten it or raise inference.max_model_len", "prompt")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}; lower max_tokens", "max_tokens")

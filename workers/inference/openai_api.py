@@ -246,7 +246,8 @@ class Renderer:
         if gen.prompt_logprobs is None:
             return None
         return [None if entry is None else {
-            str(t): {"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)} for t, (lp, rank) in entry.items()
+            str(t): {"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)}
+            for t, (lp, rank) in entry.items()
         } for entry in gen.prompt_logprobs]
 
 

@@ -79,7 +79,8 @@ def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.T
     seeded = [i for i, g in enumerate(rows.generators) if g is not None]
     noise.exponential_()
     for i in seeded:
-        noise[i] = torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(generator=rows.generators[i]).to(noise.device)
+        noise[i] = (torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(generator=rows.generators[i])
+                    .to(noise.device))
     tokens = torch.argmax(candidates - noise.log(), dim=-1)
     if rows.any_greedy:
         tokens = torch.where(greedy.to(tokens.device), torch.argmax(logits, dim=-1), tokens)

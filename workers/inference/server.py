@@ -16,7 +16,8 @@ def parse_args(config: RlbusConfig, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rlbus inference", description="OpenAI-compatible inference server")
     parser.add_argument("--port", type=int, default=config.inference.port, help="port (default inference.port)")
     parser.add_argument("--host", default=config.inference.host, help="bind address (default inference.host)")
-    parser.add_argument("--server-id", default=None, help="id in `served` events (default HOSTNAME:port, unique per host)")
+    parser.add_argument("--server-id", default=None,
+                        help="id in `served` events (default HOSTNAME:port, unique per host)")
     args = parser.parse_args(argv)
     args.server_id = args.server_id or f"{socket.gethostname()}:{args.port}"
     return args

@@ -25,10 +25,13 @@ FINISHED = ("max_steps", DATA_EXHAUSTED)
 
 def main(config: RlbusConfig, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlbus run", description="Start and supervise a whole run on this machine.")
-    parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint and streams")
-    parser.add_argument("--attach", action="store_true", help="only watch/eval/summarise a run whose workers run elsewhere")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in output_dir from its checkpoint and streams")
+    parser.add_argument("--attach", action="store_true",
+                        help="only watch/eval/summarise a run whose workers run elsewhere")
     parser.add_argument("--grace-s", type=float, default=15.0, help="seconds children get to drain after SIGTERM")
-    parser.add_argument("--health-timeout-s", type=float, default=180.0, help="wait this long for each inference server")
+    parser.add_argument("--health-timeout-s", type=float, default=180.0,
+                        help="wait this long for each inference server")
     args = parser.parse_args(argv)
     if not config.stage:
         return run_once(config, args, resume=args.resume, attach=args.attach)[0]
@@ -58,7 +61,8 @@ def run_stages(config: RlbusConfig, args: argparse.Namespace) -> int:
         stage_out = Path(stage_config.run.output_dir)
         summary = read_summary(stage_out) if args.resume else None
         if summary is not None and finished(summary, stage_config):
-            print(f"rlbus run: stage {stage.name} finished before ({summary['steps_trained']} steps); skipped", flush=True)
+            print(f"rlbus run: stage {stage.name} finished before ({summary['steps_trained']} steps); skipped",
+                  flush=True)
         else:
             if stage.from_previous:
                 stage_config = with_model_path(stage_config, last_weights(config.stage[i - 1].config, summaries[-1]))

@@ -92,7 +92,8 @@ def next_eval_step(after: int | None, interval: int, max_steps: int | None, skip
     return step if step >= first and is_eval_step(step, interval, max_steps, skip_first) else None
 
 
-def eval_steps_due(trained: int, issued: int | None, interval: int, max_steps: int | None, skip_first: bool) -> int | None:
+def eval_steps_due(trained: int, issued: int | None, interval: int, max_steps: int | None,
+                   skip_first: bool) -> int | None:
     """The next eval step to issue now (the oldest scheduled one after ``issued`` that is ≤ trained), or None."""
     step = next_eval_step(issued, interval, max_steps, skip_first)
     return step if step is not None and step <= trained else None
@@ -184,7 +185,8 @@ class EvalCoordinator:
                 ))
                 for i in self.indices[name]
             ]
-            await self.bus.commit([], tasks, extra=lambda pipe, f=field_name, s=step: pipe.hset(self.bus.keys.state(), f, s))
+            await self.bus.commit([], tasks,
+                                  extra=lambda pipe, f=field_name, s=step: pipe.hset(self.bus.keys.state(), f, s))
             self.pending.setdefault((name, step), _Pending(expected=len(tasks)))
             self.log.info("eval_issued", env=name, step=step, tasks=len(tasks))
 

@@ -1,11 +1,12 @@
 """The ``metrics`` stream → ``output_dir/metrics.jsonl`` (and W&B when ``[wandb]`` is configured).
 
 One JSON object per metrics entry: ``{"id", "source", "step", "at", **values}``. A resumed run (or a restarted
-``--attach``) keeps the rows the file has and goes on after its last entry id, so the file holds the whole
-history once even when ``redis.maxlen`` has trimmed the stream's start (a fresh run starts without the file). W&B is imported only when configured; ``mode = "offline"`` writes under
-``output_dir/wandb`` for a later ``wandb sync``. A resumed run continues the same W&B run (its id, in
-``wandb/run-id``) and logs only the entries after the last one it logged before (``wandb/logged-through`` keeps that id), so
-no row reaches W&B twice; ``report.png`` is logged at the end.
+``--attach``) keeps the rows the file has and goes on after its last entry id, so the file holds the whole history
+once even when ``redis.maxlen`` has trimmed the stream's start (a fresh run starts without the file). W&B is
+imported only when configured; ``mode = "offline"`` writes under ``output_dir/wandb`` for a later ``wandb sync``. A
+resumed run continues the same W&B run (its id, in ``wandb/run-id``) and logs only the entries after the last one it
+logged before (``wandb/logged-through`` keeps that id), so no row reaches W&B twice; ``report.png`` is logged at the
+end.
 """
 
 import json
@@ -24,7 +25,8 @@ HIDDEN_ARGS = {"args"}
 class MetricsWriter:
     """Appends metrics to metrics.jsonl and W&B, and keeps them in memory for the summary and report."""
 
-    def __init__(self, output_dir: Path, run_name: str, wandb_cfg: WandbConfig | None = None, config: dict | None = None):
+    def __init__(self, output_dir: Path, run_name: str, wandb_cfg: WandbConfig | None = None,
+                 config: dict | None = None):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = read_rows(self.path)

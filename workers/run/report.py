@@ -40,8 +40,8 @@ def rollout_tokens_per_s(rows: list[Row]) -> dict[int, float]:
     packed = [(int(r["step"]), float(r["at"]), float(r["packer/tokens"])) for r in rows
               if r["source"] == "packer" and "packer/tokens" in r and r.get("step") is not None]
     packed.sort(key=lambda p: p[1])
-    return {step: tokens / (at - prev_at) for (_, prev_at, _), (step, at, tokens) in zip(packed, packed[1:], strict=False)
-            if at > prev_at}
+    return {step: tokens / (at - prev_at)
+            for (_, prev_at, _), (step, at, tokens) in zip(packed, packed[1:], strict=False) if at > prev_at}
 
 
 def bench_numbers(rows: list[Row], warmup_steps: int = 1) -> dict[str, float]:
@@ -160,7 +160,8 @@ def summary_text(summary: dict[str, Any], output_dir: Path) -> str:
     r, g = summary["reward"], summary["groups"]
     fmt = lambda p: "—" if p is None else f"{p['reward']:.3f} (step {p['step']})"  # noqa: E731
     lines = [
-        f"run {summary['run']}: {summary['steps_trained']} steps in {summary['wall_s']:.0f}s ({summary['stopped_because']})",
+        f"run {summary['run']}: {summary['steps_trained']} steps in {summary['wall_s']:.0f}s "
+        f"({summary['stopped_because']})",
         f"  train reward  first {fmt(r['first'])}  last {fmt(r['last'])}  best {fmt(r['best'])}",
     ]
     for step, values in summary["eval"].items():
@@ -197,7 +198,8 @@ def write_stages_report(stages: list[tuple[str, list[Row], bool]], output_dir: P
     for i, (name, rows, show_train) in enumerate(stages):
         rewards = train_reward(rows)
         if show_train:
-            ax.plot([offset + s for s in rewards], moving_mean(list(rewards.values())), color=f"C{i}", label=f"{name}: train reward (mean of 10 steps)")
+            ax.plot([offset + s for s in rewards], moving_mean(list(rewards.values())), color=f"C{i}",
+                    label=f"{name}: train reward (mean of 10 steps)")
         for key, points in eval_curves(rows, pass_at_1=False).items():
             ax.plot([offset + s for s in points], list(points.values()), "o-", color=f"C{i}", alpha=0.6,
                     label=f"{name}: {key}")

@@ -176,11 +176,14 @@ def render(snap: Snapshot, title: str) -> Panel:
     evals = "  ".join(f"{k} {v:.3f}" for k, v in snap.reward_eval.items()) or "—"
     c = snap.counters
     served = ", ".join(f"{k}={v}" for k, v in sorted(snap.served_by.items())) or "—"
-    stats.add_row("reward (train)", fmt_num(snap.reward_train), "eval" + (f" @{snap.eval_step}" if snap.eval_step is not None else ""), evals)
-    stats.add_row("tokens/s rollouts", fmt_rate(snap.gen_tokens_per_s), "tokens/s train", fmt_rate(snap.train_tokens_per_s))
+    stats.add_row("reward (train)", fmt_num(snap.reward_train),
+                  "eval" + (f" @{snap.eval_step}" if snap.eval_step is not None else ""), evals)
+    stats.add_row("tokens/s rollouts", fmt_rate(snap.gen_tokens_per_s),
+                  "tokens/s train", fmt_rate(snap.train_tokens_per_s))
     stats.add_row("step time", fmt_num(snap.step_s, "{:.2f}s"), "trainer idle", fmt_num(snap.trainer_idle_s, "{:.2f}s"))
     stats.add_row("groups packed", str(c.get("groups_packed", 0)),
-                  "stale / filtered / errored", f"{c.get('groups_stale', 0)} / {c.get('groups_filtered', 0)} / {snap.dead}")
+                  "stale / filtered / errored",
+                  f"{c.get('groups_stale', 0)} / {c.get('groups_filtered', 0)} / {snap.dead}")
     stats.add_row("policy trained", str(snap.trained), "served", served)
     lags = Table("stream", "group", "length", "lag", "pending", box=None, padding=(0, 2), header_style="dim")
     for lag in snap.lags:

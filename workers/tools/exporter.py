@@ -90,7 +90,8 @@ class RunCollector:
         """Read now from Redis: streams and groups, the state hash, heartbeats."""
         at_ms = now_ms(self.client)
         self.started_ms = self.started_ms or at_ms
-        views = [v for v in (stream_view(self.client, self.keys, k, at_ms) for k in group_streams(self.client, self.keys))
+        views = [v for v in (stream_view(self.client, self.keys, k, at_ms)
+                             for k in group_streams(self.client, self.keys))
                  if v is not None]
         groups = [((v.family, v.suffix, g.name), g) for v in views for g in v.groups]
         labels = ["stream", "env", "group"]
@@ -191,7 +192,8 @@ class RunCollector:
                         [([e], v["reward"]) for e, v in f.eval.items() if "reward" in v]),
             self._gauge("eval_pass_at_1", "pass@1 of the newest eval.", ["env"],
                         [([e], v["pass@1"]) for e, v in f.eval.items() if "pass@1" in v]),
-            self._gauge("eval_step", "The step of the newest eval.", ["env"], [([e], v["step"]) for e, v in f.eval.items()]),
+            self._gauge("eval_step", "The step of the newest eval.", ["env"],
+                        [([e], v["step"]) for e, v in f.eval.items()]),
         ]
 
 

@@ -1,8 +1,8 @@
 """``rlbus health @ cfg.toml [--role ROLE] [--max-age-s S] [--any-host]``: the workers' heartbeats.
 
 With ``--role``, a liveness probe: exit 0 when a ``ROLE`` worker on this host (container, pod) renewed its heartbeat
-(:mod:`bus.liveness`) in the last ``--max-age-s`` seconds, else exit 1 with the reason (also when Redis cannot be reached). Without it,
-the table of every worker of the run and the age of its heartbeat.
+(:mod:`bus.liveness`) in the last ``--max-age-s`` seconds, else exit 1 with the reason (also when Redis cannot be
+reached). Without it, the table of every worker of the run and the age of its heartbeat.
 
     rlbus health @ configs/compose.toml --role rollout      # docker compose / Kubernetes liveness probe
     rlbus health @ run.toml                                 # who is alive

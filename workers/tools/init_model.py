@@ -29,7 +29,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message; the generation prompt opens an assistant turn."""
+"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message; the generation prompt opens an assistant
+turn."""
 
 PRESETS: dict[str, dict[str, int]] = {
     # ~0.53M parameters: fast enough to sample and train on a shared CPU core.

@@ -62,8 +62,9 @@ def _servers(config: RlbusConfig, free: list[tuple[int, int]]) -> list[Launch]:
             free[:] = [f for f in free if not (f[0] == node and f[1] in gpus)]
         port = config.inference.port + ports_used.get(node, 0)
         ports_used[node] = ports_used.get(node, 0) + 1
-        launches.append(Launch(f"inference-{i}", node, "inference", ("--host", "0.0.0.0", "--port", str(port),
-                                                                      "--server-id", f"inference-{i}"), gpus, port=port))
+        launches.append(Launch(f"inference-{i}", node, "inference",
+                               ("--host", "0.0.0.0", "--port", str(port), "--server-id", f"inference-{i}"),
+                               gpus, port=port))
     return launches
 
 
@@ -178,7 +179,8 @@ def run_script(config: RlbusConfig, out: Path, workdir: Path, *, init_model: boo
     lines += _common(config, out, config.redis.url is None) + _redis_lines(config)
     urls = ",".join(f'\\"http://${{ADDR[{s.node}]}}:{s.port}/v1\\"' for s in launches if s.role == "inference")
     lines += [f'URLS="[{urls}]"',
-              'printf "RLBUS_REDIS_URL=%q\\nRLBUS_INFERENCE_URLS=%q\\n" "$REDIS_URL" "$URLS" > "$OUT/slurm/endpoints.env"',
+              ('printf "RLBUS_REDIS_URL=%q\\nRLBUS_INFERENCE_URLS=%q\\n" "$REDIS_URL" "$URLS" '
+               '> "$OUT/slurm/endpoints.env"'),
               'COMMON=(@ "$CONFIG" "${REDIS[@]}" --inference.base_urls "$URLS")',
               "# The watcher (status, metrics.jsonl, eval, summary.json) on this node; it ends at run.max_steps.",
               '"${RLBUS[@]}" run "${COMMON[@]}" --attach >> "$OUT/slurm/logs/run.log" 2>&1 &',
