@@ -14,6 +14,10 @@ Server: ``rlbus env @ run.toml --name ENV_NAME [--bind ADDR]`` serves the ``[[en
 Client: ``await EnvHandle.start(env_config, timeout_s)`` connects to ``env_config.address``, or
 (no address) spawns a server process on an ipc:// socket in a temp dir and owns it: a spawned
 server that dies is started again and the interrupted call retried once; ``close()`` stops it.
+A server that is down (no reply, and ``info`` unanswered within :data:`HEALTH_TIMEOUT_S`; a spawned
+one that cannot be started again) fails the call with :class:`~bus.errors.EnvUnavailableError`, the
+infrastructure's fault, which the rollout worker waits out; until it answers ``info`` again, each
+call first asks it, so a call fails fast while it is down.
 
 User code runs off the server's event loop (:mod:`bus.rpc`), so a slow call holds up no other. A call
 that does not return within ``--call-timeout-s`` (a spawned server: :data:`HUNG_FRACTION` of the
@@ -31,7 +35,7 @@ import sys
 import tempfile
 from typing import Any
 
-from bus.errors import ConfigError, RpcError
+from bus.errors import ConfigError, EnvUnavailableError, RpcError, RpcTimeoutError
 from bus.log import get_logger
 from bus.rpc import RpcClient, RpcServer
 from workers.config import RlbusConfig
@@ -53,6 +57,8 @@ HUNG_EXIT_CODE = 3
 """Exit status of an env server that gave up on a hung call."""
 HUNG_EXIT_DELAY_S = 0.2
 """How long a server that gave up on a hung call keeps going, so the ``CallTimeout`` reply goes out first."""
+HEALTH_TIMEOUT_S = 5.0
+"""How long a handle waits for ``info`` when it asks whether its server is up (at most its per-call timeout)."""
 
 
 def build_env(env_config: EnvConfig) -> Environment:
@@ -169,6 +175,8 @@ class EnvHandle:
         self._exited: asyncio.Task | None = None
         self._tmp_dir: str | None = None
         self._lock = asyncio.Lock()
+        self._down = False
+        """The server did not answer ``info``: every call asks it first until it does."""
         self.log = get_logger(worker="env_handle", env=self.name)
 
     @classmethod
@@ -210,20 +218,65 @@ class EnvHandle:
         return await self.call("score", index=index, messages=messages, state=state)
 
     async def call(self, method: str, **kwargs: Any) -> Any:
-        """Call ``method``; a spawned server that has died is restarted and the call retried once."""
+        """Call ``method``; a spawned server that has died (or answers nothing, not even ``info``) is restarted and
+        the call retried once. EnvUnavailableError: the server is down (see the module docstring)."""
         if not self.spawned:
-            assert self._client is not None
-            return await self._client.call(method, **kwargs)
+            return await self._call_external(method, kwargs)
         async with self._lock:  # not while a restart is under way
             generation = self.restarts
         try:
             return await self._call_spawned(method, kwargs)
         except _ServerExited as e:
-            await self._restart(generation, reason=str(e))
+            reason = str(e)
+        except RpcTimeoutError as e:
+            if await self._answers():
+                raise  # it answers: this call was slow, which is the task's (its data's) doing
+            reason = f"not answering ({e})"
+        await self._restart_or_unavailable(generation, reason, method)
+        if self._exited is None or self._exited.done():  # a concurrent call's restart failed
+            raise EnvUnavailableError(f"env server {self.name!r} is not running (its restart failed)")
         try:
             return await self._call_spawned(method, kwargs)
         except _ServerExited as e:
             raise RpcError(f"env server {self.name!r} died again after a restart during {method!r}: {e}") from e
+
+    async def _call_external(self, method: str, kwargs: dict[str, Any]) -> Any:
+        """A call to the server at ``address``; while it is marked down, ``info`` first (fails fast)."""
+        assert self._client is not None
+        if self._down:
+            await self._check(method, "it was down")
+        try:
+            return await self._client.call(method, **kwargs)
+        except RpcTimeoutError as e:
+            await self._check(method, str(e))
+            raise  # it answers: this call was slow, which is the task's (its data's) doing
+
+    async def _check(self, method: str, why: str) -> None:
+        """Ask the server at ``address`` for ``info``: EnvUnavailableError (and marked down) when it does not
+        answer."""
+        try:
+            await self._client.call("info", timeout_s=min(HEALTH_TIMEOUT_S, self.timeout_s))
+        except RpcError as e:
+            self._down = True
+            raise EnvUnavailableError(f"env server {self.name!r} at {self.address} does not answer "
+                                      f"({method!r}: {why}; then 'info': {e})") from e
+        self._down = False
+
+    async def _answers(self) -> bool:
+        """Whether the spawned server answers ``info`` within :data:`HEALTH_TIMEOUT_S`."""
+        try:
+            await self._call_spawned("info", {}, timeout_s=min(HEALTH_TIMEOUT_S, self.timeout_s))
+        except (RpcError, _ServerExited):
+            return False
+        return True
+
+    async def _restart_or_unavailable(self, generation: int, reason: str, method: str) -> None:
+        """Start the spawned server again; EnvUnavailableError when it cannot be started."""
+        try:
+            await self._restart(generation, reason=reason)
+        except (RpcError, OSError) as e:
+            raise EnvUnavailableError(f"env server {self.name!r} could not be started again during {method!r}: "
+                                      f"{e}") from e
 
     async def close(self) -> None:
         """Close the connection and stop the spawned server (SIGTERM, then SIGKILL after 5 s)."""
@@ -237,9 +290,9 @@ class EnvHandle:
 
     async def _call_spawned(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None) -> Any:
         """One call that fails fast with _ServerExited when the server process dies first."""
-        assert self._client is not None and self._exited is not None
-        if self._exited.done():
-            raise _ServerExited(f"exit code {self._exited.result()}")
+        if self._exited is None or self._exited.done():
+            raise _ServerExited("not running" if self._exited is None else f"exit code {self._exited.result()}")
+        assert self._client is not None
         return await self._client.call(method, timeout_s=timeout_s, **kwargs)
 
     async def _restart(self, generation: int, reason: str) -> None:
