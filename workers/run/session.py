@@ -16,6 +16,7 @@ workers run elsewhere (docker compose); it needs ``redis.url``.
 
 import asyncio
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -30,7 +31,7 @@ from rich.live import Live
 
 from bus.config import redact
 from bus.errors import CONFIG_EXIT_CODE, ConfigError, RlbusError
-from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv
+from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv, write_secret
 from bus.log import get_logger
 from bus.messages import Metric
 from bus.state import DATA_EXHAUSTED, STOP_REASON_FIELD, exhausted_at
@@ -140,13 +141,20 @@ class RunSession:
                 "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **self.secrets}
 
     async def start_redis(self) -> str:
+        """The private redis-server, with a fresh random password: in ``redis/password`` (0600, named as
+        ``redis.password_file`` in the config the children read) and ``redis/redis.conf`` (0600, so it is not in
+        the server's command line)."""
         binary = redis_binary()
         port, data_dir = free_port(), (self.output_dir / "redis").resolve()
         data_dir.mkdir(parents=True, exist_ok=True)
-        argv = redis_server_argv(binary, port, data_dir)
+        password = secrets.token_urlsafe(32)
+        write_secret(data_dir / "password", password + "\n")
+        write_secret(data_dir / "redis.conf", f"requirepass {password}\n")
+        argv = redis_server_argv(binary, port, data_dir, conf=data_dir / "redis.conf")
         self.sup.start(ChildSpec("redis", "redis", argv, stop_order=2))
+        self.config.redis.password_file = str(data_dir / "password")
         url = f"redis://127.0.0.1:{port}/0"
-        await self._wait(lambda: redis_answers(url), "redis-server", 30.0, "redis")
+        await self._wait(lambda: redis_answers(url, password), "redis-server", 30.0, "redis")
         return url
 
     def init_model(self) -> None:

@@ -27,6 +27,7 @@ from bus.messages import RolloutGroup, Sample
 from bus.state import reconcile_inflight
 from bus.streams import Bus
 from tests.paths import REPO
+from tests.run_redis import run_redis_url
 
 DEFAULT = REPO / "configs" / "default.toml"
 QUICKSTART = REPO / "configs" / "quickstart.toml"
@@ -395,7 +396,7 @@ def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_bala
                      "--trainer.keep_batches", "0", "--packer.lease_ttl_s", "2",
                      "--trainer.lease_ttl_s", "2")
     wait_step(proc, out, 2, timeout_s=180)
-    url = re.search(r'^url = "(.*)"', (out / "config.resolved.toml").read_text(), flags=re.M).group(1)
+    url = run_redis_url(out)
     client, keys = redis.Redis.from_url(url), Keys("default")
     garbage = inject_garbage(client, keys, trained_step(out) + 3)
     client.close()
