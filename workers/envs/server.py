@@ -33,8 +33,10 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
+from bus import curve
 from bus.errors import ConfigError, EnvUnavailableError, RpcError, RpcTimeoutError
 from bus.log import get_logger
 from bus.rpc import RpcClient, RpcServer
@@ -72,11 +74,12 @@ class EnvServer:
     """One environment behind an :class:`RpcServer` at ``address``."""
 
     def __init__(self, env: Environment, address: str, name: str | None = None, call_timeout_s: float | None = None,
-                 max_message_mb: float = MAX_MESSAGE_MB):
+                 max_message_mb: float = MAX_MESSAGE_MB, curve_dir: str | None = None):
         self.env = env
         self.name = name or env.name
         self.server = RpcServer(address, call_timeout_s=call_timeout_s, on_hung=self._hung,
-                                max_message_bytes=int(max_message_mb * 2**20), handlers={
+                                max_message_bytes=int(max_message_mb * 2**20),
+                                curve_dir=Path(curve_dir) if curve_dir else None, handlers={
             "info": lambda: {**env.info(), "name": self.name},
             "example": env.example,
             "initial": env.initial,
@@ -96,7 +99,11 @@ class EnvServer:
     async def setup(self) -> None:
         address = self.server.bind()
         self.log.info("env_server_started", address=address, size=len(self.env), max_turns=self.env.max_turns,
-                      pid=os.getpid())
+                      pid=os.getpid(), curve=self.server.curve_dir is not None)
+        if address.startswith("tcp://") and self.server.curve_dir is None:
+            self.log.warning("env_server_unauthenticated", address=address,
+                             hint="any peer that reaches this port can call the env and read its examples; pass "
+                                  "--curve-dir with the run's keys (rlbus run writes OUTPUT_DIR/curve)")
 
     async def run(self) -> None:
         await self.server.serve()
@@ -142,14 +149,20 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
                         help="fail a call still running after this long and exit to be replaced (default: no bound)")
     parser.add_argument("--max-message-mb", type=float, default=MAX_MESSAGE_MB,
                         help="largest request accepted; a peer sending a bigger one is disconnected (default: 64)")
+    parser.add_argument("--curve-dir", default=None,
+                        help="CURVE key folder (rlbus run's OUTPUT_DIR/curve): serve only the run's workers; made "
+                             "if missing (default: the config's rollout.curve_dir, else none)")
     args = parser.parse_args(argv)
     env_config = _env_config(config, args)
     address = args.bind or env_config.address
     if not address:
         raise ConfigError(f"env {env_config.resolved_name!r} has no address; pass --bind tcp://127.0.0.1:5555 "
                           "or set address in its [[env]]")
+    curve_dir = args.curve_dir or (config.rollout.curve_dir if config is not None else None)
+    if curve_dir:
+        curve.generate(Path(curve_dir))
     server = EnvServer(build_env(env_config), address, env_config.resolved_name, args.call_timeout_s,
-                       args.max_message_mb)
+                       args.max_message_mb, curve_dir)
     return asyncio.run(run_worker(server))
 
 
@@ -163,8 +176,10 @@ class EnvHandle:
     Calls are safe to run concurrently. Every method takes keyword arguments as in the module docstring.
     """
 
-    def __init__(self, env_config: EnvConfig, timeout_s: float):
+    def __init__(self, env_config: EnvConfig, timeout_s: float, curve_dir: str | None = None):
         self.env_config = env_config
+        self.curve_dir = Path(curve_dir) if curve_dir and (env_config.address or "").startswith("tcp://") else None
+        """CURVE keys of a server at a ``tcp://`` address (a spawned one listens on a private ipc:// socket)."""
         self.name = env_config.resolved_name
         self.timeout_s = timeout_s
         self.spawned = env_config.address is None
@@ -180,14 +195,15 @@ class EnvHandle:
         self.log = get_logger(worker="env_handle", env=self.name)
 
     @classmethod
-    async def start(cls, env_config: EnvConfig, timeout_s: float = 30.0, start_timeout_s: float = 60.0) -> "EnvHandle":
+    async def start(cls, env_config: EnvConfig, timeout_s: float = 30.0, start_timeout_s: float = 60.0,
+                    curve_dir: str | None = None) -> "EnvHandle":
         """Connect (or spawn and connect) and wait until ``info`` answers; per-call timeout ``timeout_s``."""
-        handle = cls(env_config, timeout_s)
+        handle = cls(env_config, timeout_s, curve_dir)
         try:
             if handle.spawned:
                 await handle._spawn(start_timeout_s)
             else:
-                handle._client = RpcClient(handle.address, timeout_s)
+                handle._client = RpcClient(handle.address, timeout_s, curve_dir=handle.curve_dir)
                 await handle._client.call("info")
         except BaseException:
             await handle.close()

@@ -29,6 +29,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from bus import curve
 from bus.config import redact
 from bus.errors import CONFIG_EXIT_CODE, ConfigError, RlbusError
 from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv, write_secret
@@ -157,6 +158,16 @@ class RunSession:
         await self._wait(lambda: redis_answers(url, password), "redis-server", 30.0, "redis")
         return url
 
+    def secure_envs(self) -> None:
+        """Env servers at ``tcp://`` addresses and no ``rollout.curve_dir``: CURVE keys for the run in
+        ``OUTPUT_DIR/curve`` (made once; the servers started with them keep matching), which the run's workers use."""
+        addresses = [e.address or "" for e in [*self.config.env, *self.config.eval.env]]
+        if self.config.rollout.curve_dir is not None or not any(a.startswith("tcp://") for a in addresses):
+            return
+        folder = curve.generate((self.output_dir / "curve").resolve())
+        self.config.rollout.curve_dir = str(folder)
+        print(f"env servers on tcp://: start each with `rlbus env ... --curve-dir {folder}`", flush=True)
+
     def init_model(self) -> None:
         path = Path(self.config.model.path)
         if path.exists() or self.config.model.init_preset is None or is_hub_id(str(path)):
@@ -245,6 +256,7 @@ class RunSession:
             ports, teacher_ports = self.inference_ports()
             host = self.config.inference.host
             self.secrets = child_password(self.config, redis_url)
+            self.secure_envs()
             data = resolve(self.config, redis_url=redis_url, base_urls=[f"http://{host}:{p}/v1" for p in ports],
                            threads=self.threads, teacher_urls=[f"http://{host}:{p}/v1" for p in teacher_ports])
             self.resolved_path = self.output_dir / "config.resolved.toml"

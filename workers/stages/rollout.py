@@ -93,7 +93,7 @@ class RolloutWorker:
         for stream in self.streams:
             await self.bus.ensure_group(stream, GROUP_ROLLOUT)
         handles = await asyncio.gather(
-            *(start_env(env, cfg.rollout.env_timeout_s) for env in self.envs.values())
+            *(start_env(env, cfg.rollout.env_timeout_s, curve_dir=cfg.rollout.curve_dir) for env in self.envs.values())
         )
         self.handles = dict(zip(self.envs, handles, strict=True))
         from transformers import AutoTokenizer  # heavy: only once the worker really starts
