@@ -5,6 +5,7 @@ nothing above it; ``workers.config.RlbusConfig`` composes them with every other 
 """
 
 import os
+from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
@@ -34,9 +35,16 @@ def split_password(url: str) -> tuple[str, str | None]:
 
 
 def redis_password(cfg: "RedisConfig") -> str | None:
-    """The password of ``cfg.password_var`` (None without one: the URL's own, if any, applies)."""
-    if cfg.password_var is None:
+    """The password of ``cfg.password_var``, else the first line of ``cfg.password_file`` (None without either: the
+    URL's own, if any, applies)."""
+    if cfg.password_var is None and cfg.password_file is None:
         return None
+    if cfg.password_var is None:
+        try:
+            return Path(cfg.password_file).read_text().splitlines()[0]
+        except (OSError, IndexError) as e:
+            raise ConfigError(f"redis.password_file={cfg.password_file!r} cannot be read ({e}); point it at the "
+                              "file of the run's password (rlbus run writes OUTPUT_DIR/redis/password)") from e
     value = os.environ.get(cfg.password_var)
     if value is None:
         raise ConfigError(f"redis.password_var={cfg.password_var!r} is not set in the environment; export it")
@@ -106,6 +114,12 @@ class RedisConfig(Section):
     password_var: str | None = None
     """Environment variable holding the Redis password (AUTH), so it stays out of URLs, files and logs;
     None = the URL's password, if any. Printed and saved configs show a URL password as ``***``."""
+
+    password_file: str | None = None
+    """File whose first line is the Redis password (used when ``password_var`` is not set). ``rlbus run`` writes
+    one (mode 0600, ``OUTPUT_DIR/redis/password``) for the private redis-server it starts, with a fresh random
+    password, and names it in ``config.resolved.toml``, so its children and ``rlbus inspect @
+    OUTPUT_DIR/config.resolved.toml`` find it."""
 
     reconnect_timeout_s: float = Field(60.0, ge=0)
     """How long a Redis call keeps retrying while the server is unreachable (a restart, a blip, a failover),

@@ -37,6 +37,11 @@ class RpcTimeoutError(RpcError):
     """A ZeroMQ RPC call got no reply within its timeout; the message names the address."""
 
 
+class EnvUnavailableError(RetryableError):
+    """An env server is unreachable, dead or cannot be started: the infrastructure's fault, not the task's (the
+    rollout worker holds the task until the server answers)."""
+
+
 class RedisNotInstalledError(RlbusError):
     """No redis-server binary on PATH."""
 

@@ -4,6 +4,7 @@
         url = server.url
 """
 
+import os
 import shutil
 import socket
 import subprocess
@@ -19,14 +20,24 @@ from bus.errors import RedisNotInstalledError, RlbusError
 INSTALL_HINT = "apt-get install -y redis-server (macOS: brew install redis)"
 
 
-def redis_server_argv(binary: str, port: int, dir: Path, aof: bool = True, password: str | None = None) -> list[str]:
+def redis_server_argv(binary: str, port: int, dir: Path, aof: bool = True, password: str | None = None,
+                      conf: Path | None = None) -> list[str]:
     """The redis-server command line of every private server: loopback only, data in ``dir``, no RDB snapshots,
-    AUTH with ``password`` when given."""
+    AUTH with ``password`` when given; ``conf``: a config file read first (one with ``requirepass`` keeps the
+    password out of the command line, which ``ps`` shows)."""
     return [
-        binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(dir),
+        binary, *([str(conf)] if conf is not None else []), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(dir),
         "--appendonly", "yes" if aof else "no", "--save", "", "--protected-mode", "no",
         "--daemonize", "no", "--loglevel", "warning", *(["--requirepass", password] if password else []),
     ]
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (mode 0600 from the start, never wider)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def redis_binary() -> str:

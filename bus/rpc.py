@@ -14,7 +14,8 @@ Handlers run off the server's event loop: a synchronous one in a thread of the s
 code that is slow or never returns does not hold up the other calls (a batch is answered with the
 calls done within :data:`BATCH_WAIT_S`, each later one on its own). ``call_timeout_s`` bounds a call:
 past it the call is answered ``CallTimeout`` and ``on_hung(method)`` is told (an env server exits, to be
-replaced). A ``SystemExit`` or ``KeyboardInterrupt`` raised by a handler fails that call only.
+replaced). A ``SystemExit`` or ``KeyboardInterrupt`` raised by a handler fails that call only. With
+``curve_dir`` (:mod:`bus.curve`) the server serves only a client holding that folder's client key.
 
 Request ids let one client carry many concurrent calls; each call waits for its own reply up to
 its timeout. A handler that raises sends the error back; the caller raises ``RpcError`` with the
@@ -28,11 +29,13 @@ import itertools
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from bus import curve
 from bus.arrays import packb, unpackb
 from bus.errors import DecodeError, RpcError, RpcTimeoutError
 
@@ -136,8 +139,12 @@ class RpcServer:
     """
 
     def __init__(self, address: str, handlers: dict[str, Handler], *, call_timeout_s: float | None = None,
-                 on_hung: Callable[[str], None] | None = None, max_message_bytes: int | None = None):
+                 on_hung: Callable[[str], None] | None = None, max_message_bytes: int | None = None,
+                 curve_dir: Path | None = None):
         self.address = address
+        self.curve_dir = curve_dir
+        """CURVE key folder (:mod:`bus.curve`): serve only its client key holder. None: any peer."""
+        self._auth: Any = None
         self.max_message_bytes = max_message_bytes
         """Largest inbound message (ZeroMQ ``MAXMSGSIZE``); a peer that sends a bigger one is disconnected
         unanswered. None: no cap."""
@@ -159,6 +166,8 @@ class RpcServer:
             if self.max_message_bytes is not None:
                 socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             try:
+                if self.curve_dir is not None:
+                    self._auth = curve.secure_server(socket, self.curve_dir)
                 socket.bind(self.address)
             except zmq.ZMQError as e:
                 socket.close(linger=0)
@@ -191,6 +200,9 @@ class RpcServer:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _receive_loop(self) -> None:
@@ -332,9 +344,11 @@ def _batch_items(items: Any) -> list[tuple[bytes, bytes, bytes]]:
 class RpcClient:
     """Calls methods of the :class:`RpcServer` at ``address``; safe for concurrent calls in one event loop."""
 
-    def __init__(self, address: str, timeout_s: float = 10.0):
+    def __init__(self, address: str, timeout_s: float = 10.0, curve_dir: Path | None = None):
         self.address = address
         self.timeout_s = timeout_s
+        self.curve_dir = curve_dir
+        """CURVE key folder (:mod:`bus.curve`) of a server that needs it; None: plain."""
         self._socket: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
         self._pending: dict[bytes, asyncio.Future] = {}
@@ -396,6 +410,8 @@ class RpcClient:
         if self._socket is None:
             socket = _context().socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            if self.curve_dir is not None:
+                curve.secure_client(socket, self.curve_dir)
             socket.connect(self.address)
             self._socket = socket
             self._receiver = asyncio.ensure_future(self._receive_loop(socket))

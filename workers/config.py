@@ -145,6 +145,12 @@ class RolloutConfig(Section):
     retry_delay_s: float = Field(1.0, ge=0)
     """Delay before a failed rollout is retried."""
 
+    curve_dir: str | None = None
+    """Folder of the CURVE keys (``bus/curve.py``) of the env servers at ``tcp://`` addresses, which the rollout
+    workers and the feeder use to reach them (start each with ``rlbus env --curve-dir`` the same folder). ``rlbus
+    run`` sets it to ``OUTPUT_DIR/curve``, generating the keys there once, when an env has a ``tcp://`` address.
+    None: plain ZeroMQ, which any peer that reaches the port can use."""
+
 
 class InferenceConfig(Section):
     backend: Literal["transformers", "vllm"] = "transformers"

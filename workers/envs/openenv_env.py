@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from bus.errors import ConfigError, RpcError
+from bus.errors import ConfigError, EnvUnavailableError, RpcError
 from bus.local_redis import free_port
 from bus.log import get_logger
 from workers.env_config import OPENENV_INSTALL, EnvConfig
@@ -113,7 +113,10 @@ class OpenEnvHandle:
 
     async def _open(self, index: int) -> tuple[str, Any]:
         client = self._client_cls(base_url=self.base_url, message_timeout_s=self.timeout_s)
-        await self._call(client.connect())
+        try:
+            await self._call(client.connect())
+        except RpcError as e:  # no connection at all: the server is down, not the task bad
+            raise EnvUnavailableError(str(e)) from e
         session = uuid.uuid4().hex
         self.sessions[session] = client
         result = await self._call(client.reset(seed=index, **self.cfg.reset_args))
@@ -139,14 +142,21 @@ class OpenEnvHandle:
         return {"role": "user", "content": str(observation)}
 
     async def _ensure_server(self) -> None:
-        """Spawn the server (again, if it died) and wait for its ``/health``; an external one is left as it is."""
+        """Spawn the server (again, if it died) and wait for its ``/health``; an external one is left as it is.
+        A restart that fails is EnvUnavailableError (the rollout worker holds the task)."""
         async with self._lock:
             if self.spawned and (self._process is None or self._process.returncode is not None):
-                if self._process is not None:
-                    self.restarts += 1
-                    self.log.warning("env_server_restarted", reason=f"exit code {self._process.returncode}",
-                                     restarts=self.restarts)
-                await self._spawn()
+                if self._process is None:
+                    await self._spawn()
+                    return
+                self.restarts += 1
+                self.log.warning("env_server_restarted", reason=f"exit code {self._process.returncode}",
+                                 restarts=self.restarts)
+                try:
+                    await self._spawn()
+                except (RpcError, OSError) as e:
+                    raise EnvUnavailableError(f"OpenEnv server of env {self.name!r} could not be started again: "
+                                              f"{e}") from e
 
     async def _spawn(self) -> None:
         port = free_port()

@@ -14,6 +14,10 @@ Server: ``rlbus env @ run.toml --name ENV_NAME [--bind ADDR]`` serves the ``[[en
 Client: ``await EnvHandle.start(env_config, timeout_s)`` connects to ``env_config.address``, or
 (no address) spawns a server process on an ipc:// socket in a temp dir and owns it: a spawned
 server that dies is started again and the interrupted call retried once; ``close()`` stops it.
+A server that is down (no reply, and ``info`` unanswered within :data:`HEALTH_TIMEOUT_S`; a spawned
+one that cannot be started again) fails the call with :class:`~bus.errors.EnvUnavailableError`, the
+infrastructure's fault, which the rollout worker waits out; until it answers ``info`` again, each
+call first asks it, so a call fails fast while it is down.
 
 User code runs off the server's event loop (:mod:`bus.rpc`), so a slow call holds up no other. A call
 that does not return within ``--call-timeout-s`` (a spawned server: :data:`HUNG_FRACTION` of the
@@ -29,9 +33,11 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
-from bus.errors import ConfigError, RpcError
+from bus import curve
+from bus.errors import ConfigError, EnvUnavailableError, RpcError, RpcTimeoutError
 from bus.log import get_logger
 from bus.rpc import RpcClient, RpcServer
 from workers.config import RlbusConfig
@@ -53,6 +59,8 @@ HUNG_EXIT_CODE = 3
 """Exit status of an env server that gave up on a hung call."""
 HUNG_EXIT_DELAY_S = 0.2
 """How long a server that gave up on a hung call keeps going, so the ``CallTimeout`` reply goes out first."""
+HEALTH_TIMEOUT_S = 5.0
+"""How long a handle waits for ``info`` when it asks whether its server is up (at most its per-call timeout)."""
 
 
 def build_env(env_config: EnvConfig) -> Environment:
@@ -66,11 +74,12 @@ class EnvServer:
     """One environment behind an :class:`RpcServer` at ``address``."""
 
     def __init__(self, env: Environment, address: str, name: str | None = None, call_timeout_s: float | None = None,
-                 max_message_mb: float = MAX_MESSAGE_MB):
+                 max_message_mb: float = MAX_MESSAGE_MB, curve_dir: str | None = None):
         self.env = env
         self.name = name or env.name
         self.server = RpcServer(address, call_timeout_s=call_timeout_s, on_hung=self._hung,
-                                max_message_bytes=int(max_message_mb * 2**20), handlers={
+                                max_message_bytes=int(max_message_mb * 2**20),
+                                curve_dir=Path(curve_dir) if curve_dir else None, handlers={
             "info": lambda: {**env.info(), "name": self.name},
             "example": env.example,
             "initial": env.initial,
@@ -90,7 +99,11 @@ class EnvServer:
     async def setup(self) -> None:
         address = self.server.bind()
         self.log.info("env_server_started", address=address, size=len(self.env), max_turns=self.env.max_turns,
-                      pid=os.getpid())
+                      pid=os.getpid(), curve=self.server.curve_dir is not None)
+        if address.startswith("tcp://") and self.server.curve_dir is None:
+            self.log.warning("env_server_unauthenticated", address=address,
+                             hint="any peer that reaches this port can call the env and read its examples; pass "
+                                  "--curve-dir with the run's keys (rlbus run writes OUTPUT_DIR/curve)")
 
     async def run(self) -> None:
         await self.server.serve()
@@ -136,14 +149,20 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
                         help="fail a call still running after this long and exit to be replaced (default: no bound)")
     parser.add_argument("--max-message-mb", type=float, default=MAX_MESSAGE_MB,
                         help="largest request accepted; a peer sending a bigger one is disconnected (default: 64)")
+    parser.add_argument("--curve-dir", default=None,
+                        help="CURVE key folder (rlbus run's OUTPUT_DIR/curve): serve only the run's workers; made "
+                             "if missing (default: the config's rollout.curve_dir, else none)")
     args = parser.parse_args(argv)
     env_config = _env_config(config, args)
     address = args.bind or env_config.address
     if not address:
         raise ConfigError(f"env {env_config.resolved_name!r} has no address; pass --bind tcp://127.0.0.1:5555 "
                           "or set address in its [[env]]")
+    curve_dir = args.curve_dir or (config.rollout.curve_dir if config is not None else None)
+    if curve_dir:
+        curve.generate(Path(curve_dir))
     server = EnvServer(build_env(env_config), address, env_config.resolved_name, args.call_timeout_s,
-                       args.max_message_mb)
+                       args.max_message_mb, curve_dir)
     return asyncio.run(run_worker(server))
 
 
@@ -157,8 +176,10 @@ class EnvHandle:
     Calls are safe to run concurrently. Every method takes keyword arguments as in the module docstring.
     """
 
-    def __init__(self, env_config: EnvConfig, timeout_s: float):
+    def __init__(self, env_config: EnvConfig, timeout_s: float, curve_dir: str | None = None):
         self.env_config = env_config
+        self.curve_dir = Path(curve_dir) if curve_dir and (env_config.address or "").startswith("tcp://") else None
+        """CURVE keys of a server at a ``tcp://`` address (a spawned one listens on a private ipc:// socket)."""
         self.name = env_config.resolved_name
         self.timeout_s = timeout_s
         self.spawned = env_config.address is None
@@ -169,17 +190,20 @@ class EnvHandle:
         self._exited: asyncio.Task | None = None
         self._tmp_dir: str | None = None
         self._lock = asyncio.Lock()
+        self._down = False
+        """The server did not answer ``info``: every call asks it first until it does."""
         self.log = get_logger(worker="env_handle", env=self.name)
 
     @classmethod
-    async def start(cls, env_config: EnvConfig, timeout_s: float = 30.0, start_timeout_s: float = 60.0) -> "EnvHandle":
+    async def start(cls, env_config: EnvConfig, timeout_s: float = 30.0, start_timeout_s: float = 60.0,
+                    curve_dir: str | None = None) -> "EnvHandle":
         """Connect (or spawn and connect) and wait until ``info`` answers; per-call timeout ``timeout_s``."""
-        handle = cls(env_config, timeout_s)
+        handle = cls(env_config, timeout_s, curve_dir)
         try:
             if handle.spawned:
                 await handle._spawn(start_timeout_s)
             else:
-                handle._client = RpcClient(handle.address, timeout_s)
+                handle._client = RpcClient(handle.address, timeout_s, curve_dir=handle.curve_dir)
                 await handle._client.call("info")
         except BaseException:
             await handle.close()
@@ -210,20 +234,65 @@ class EnvHandle:
         return await self.call("score", index=index, messages=messages, state=state)
 
     async def call(self, method: str, **kwargs: Any) -> Any:
-        """Call ``method``; a spawned server that has died is restarted and the call retried once."""
+        """Call ``method``; a spawned server that has died (or answers nothing, not even ``info``) is restarted and
+        the call retried once. EnvUnavailableError: the server is down (see the module docstring)."""
         if not self.spawned:
-            assert self._client is not None
-            return await self._client.call(method, **kwargs)
+            return await self._call_external(method, kwargs)
         async with self._lock:  # not while a restart is under way
             generation = self.restarts
         try:
             return await self._call_spawned(method, kwargs)
         except _ServerExited as e:
-            await self._restart(generation, reason=str(e))
+            reason = str(e)
+        except RpcTimeoutError as e:
+            if await self._answers():
+                raise  # it answers: this call was slow, which is the task's (its data's) doing
+            reason = f"not answering ({e})"
+        await self._restart_or_unavailable(generation, reason, method)
+        if self._exited is None or self._exited.done():  # a concurrent call's restart failed
+            raise EnvUnavailableError(f"env server {self.name!r} is not running (its restart failed)")
         try:
             return await self._call_spawned(method, kwargs)
         except _ServerExited as e:
             raise RpcError(f"env server {self.name!r} died again after a restart during {method!r}: {e}") from e
+
+    async def _call_external(self, method: str, kwargs: dict[str, Any]) -> Any:
+        """A call to the server at ``address``; while it is marked down, ``info`` first (fails fast)."""
+        assert self._client is not None
+        if self._down:
+            await self._check(method, "it was down")
+        try:
+            return await self._client.call(method, **kwargs)
+        except RpcTimeoutError as e:
+            await self._check(method, str(e))
+            raise  # it answers: this call was slow, which is the task's (its data's) doing
+
+    async def _check(self, method: str, why: str) -> None:
+        """Ask the server at ``address`` for ``info``: EnvUnavailableError (and marked down) when it does not
+        answer."""
+        try:
+            await self._client.call("info", timeout_s=min(HEALTH_TIMEOUT_S, self.timeout_s))
+        except RpcError as e:
+            self._down = True
+            raise EnvUnavailableError(f"env server {self.name!r} at {self.address} does not answer "
+                                      f"({method!r}: {why}; then 'info': {e})") from e
+        self._down = False
+
+    async def _answers(self) -> bool:
+        """Whether the spawned server answers ``info`` within :data:`HEALTH_TIMEOUT_S`."""
+        try:
+            await self._call_spawned("info", {}, timeout_s=min(HEALTH_TIMEOUT_S, self.timeout_s))
+        except (RpcError, _ServerExited):
+            return False
+        return True
+
+    async def _restart_or_unavailable(self, generation: int, reason: str, method: str) -> None:
+        """Start the spawned server again; EnvUnavailableError when it cannot be started."""
+        try:
+            await self._restart(generation, reason=reason)
+        except (RpcError, OSError) as e:
+            raise EnvUnavailableError(f"env server {self.name!r} could not be started again during {method!r}: "
+                                      f"{e}") from e
 
     async def close(self) -> None:
         """Close the connection and stop the spawned server (SIGTERM, then SIGKILL after 5 s)."""
@@ -237,9 +306,9 @@ class EnvHandle:
 
     async def _call_spawned(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None) -> Any:
         """One call that fails fast with _ServerExited when the server process dies first."""
-        assert self._client is not None and self._exited is not None
-        if self._exited.done():
-            raise _ServerExited(f"exit code {self._exited.result()}")
+        if self._exited is None or self._exited.done():
+            raise _ServerExited("not running" if self._exited is None else f"exit code {self._exited.result()}")
+        assert self._client is not None
         return await self._client.call(method, timeout_s=timeout_s, **kwargs)
 
     async def _restart(self, generation: int, reason: str) -> None:

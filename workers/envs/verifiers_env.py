@@ -30,7 +30,7 @@ import sys
 import tempfile
 from typing import Any
 
-from bus.errors import ConfigError, RpcError
+from bus.errors import ConfigError, EnvUnavailableError, RpcError
 from bus.log import get_logger
 from workers.env_config import VERIFIERS_INSTALL, EnvConfig
 from workers.lifecycle import die_with_parent, stop_child
@@ -141,7 +141,9 @@ class VerifiersHandle:
     async def run(self, index: int, client: dict[str, Any], model: str, sampling: dict[str, Any]) -> Any:
         """One episode of task ``index`` (a verifiers ``WireEpisode``). Cancelling it cancels the run on the server;
         a spawned server that dies fails it at once (RpcError) and is started again for the next run; an external
-        one that stops answering health fails it within HEALTH_MISSES * HEALTH_EVERY_S."""
+        one that stops answering health fails it within HEALTH_MISSES * HEALTH_EVERY_S. EnvUnavailableError (the
+        rollout worker holds the task): the external server does not answer health, or the spawned one could not be
+        started again."""
         from verifiers.v1.clients import TrainClientConfig
         from verifiers.v1.types import SamplingConfig
 
@@ -158,9 +160,13 @@ class VerifiersHandle:
         if run.done() and not run.cancelled():
             return run.result()
         if not self.spawned:
-            raise RpcError(f"verifiers env server {self.name!r} at {self.address} stopped answering health during a run")
+            raise EnvUnavailableError(f"verifiers env server {self.name!r} at {self.address} stopped answering health "
+                                      "during a run")
         code = exited.result() if exited is not None and exited.done() else None
-        await self._restart(generation, reason=f"exit code {code}")
+        try:
+            await self._restart(generation, reason=f"exit code {code}")
+        except (RpcError, OSError) as e:
+            raise EnvUnavailableError(f"verifiers env server {self.name!r} could not be started again: {e}") from e
         raise RpcError(f"verifiers env server {self.name!r} died (exit code {code}) during a run")
 
     async def close(self) -> None:

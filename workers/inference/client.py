@@ -41,11 +41,13 @@ HOLD_MAX_S = 10.0
 
 
 class OutageHold:
-    """Waiting out servers that do not answer: backoff from :data:`HOLD_FIRST_S` doubling to :data:`HOLD_MAX_S`, an
-    ``inference_unreachable`` event per wait and ``inference_recovered`` once they answer, with the time held."""
+    """Waiting out servers that do not answer: backoff from :data:`HOLD_FIRST_S` doubling to :data:`HOLD_MAX_S`, a
+    ``{what}_unreachable`` event per wait and ``{what}_recovered`` once they answer, with the time held (``what`` is
+    ``inference`` or ``env``)."""
 
-    def __init__(self, log: Any):
+    def __init__(self, log: Any, what: str = "inference"):
         self.log = log
+        self.what = what
         self.waits = 0
         self._since: float | None = None
         self._until: float | None = None
@@ -63,7 +65,7 @@ class OutageHold:
             self._since = asyncio.get_running_loop().time()
         delay = min(HOLD_MAX_S, HOLD_FIRST_S * 2**self.waits)
         self.waits += 1
-        self.log.warning("inference_unreachable", waits=self.waits, held_s=round(self.held_s, 1), retry_in_s=delay,
+        self.log.warning(f"{self.what}_unreachable", waits=self.waits, held_s=round(self.held_s, 1), retry_in_s=delay,
                          error=str(error)[:300])
         try:
             await asyncio.wait_for(stop.wait(), timeout=delay)
@@ -75,7 +77,7 @@ class OutageHold:
         """The servers answered again (the held time stops here)."""
         if self.waits:
             self._until = asyncio.get_running_loop().time()
-            self.log.info("inference_recovered", held_s=round(self.held_s, 1), waits=self.waits)
+            self.log.info(f"{self.what}_recovered", held_s=round(self.held_s, 1), waits=self.waits)
 
 
 @dataclass

@@ -16,6 +16,7 @@ workers run elsewhere (docker compose); it needs ``redis.url``.
 
 import asyncio
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -28,9 +29,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from bus import curve
 from bus.config import redact
 from bus.errors import CONFIG_EXIT_CODE, ConfigError, RlbusError
-from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv
+from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv, write_secret
 from bus.log import get_logger
 from bus.messages import Metric
 from bus.state import DATA_EXHAUSTED, STOP_REASON_FIELD, exhausted_at
@@ -140,14 +142,31 @@ class RunSession:
                 "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **self.secrets}
 
     async def start_redis(self) -> str:
+        """The private redis-server, with a fresh random password: in ``redis/password`` (0600, named as
+        ``redis.password_file`` in the config the children read) and ``redis/redis.conf`` (0600, so it is not in
+        the server's command line)."""
         binary = redis_binary()
         port, data_dir = free_port(), (self.output_dir / "redis").resolve()
         data_dir.mkdir(parents=True, exist_ok=True)
-        argv = redis_server_argv(binary, port, data_dir)
+        password = secrets.token_urlsafe(32)
+        write_secret(data_dir / "password", password + "\n")
+        write_secret(data_dir / "redis.conf", f"requirepass {password}\n")
+        argv = redis_server_argv(binary, port, data_dir, conf=data_dir / "redis.conf")
         self.sup.start(ChildSpec("redis", "redis", argv, stop_order=2))
+        self.config.redis.password_file = str(data_dir / "password")
         url = f"redis://127.0.0.1:{port}/0"
-        await self._wait(lambda: redis_answers(url), "redis-server", 30.0, "redis")
+        await self._wait(lambda: redis_answers(url, password), "redis-server", 30.0, "redis")
         return url
+
+    def secure_envs(self) -> None:
+        """Env servers at ``tcp://`` addresses and no ``rollout.curve_dir``: CURVE keys for the run in
+        ``OUTPUT_DIR/curve`` (made once; the servers started with them keep matching), which the run's workers use."""
+        addresses = [e.address or "" for e in [*self.config.env, *self.config.eval.env]]
+        if self.config.rollout.curve_dir is not None or not any(a.startswith("tcp://") for a in addresses):
+            return
+        folder = curve.generate((self.output_dir / "curve").resolve())
+        self.config.rollout.curve_dir = str(folder)
+        print(f"env servers on tcp://: start each with `rlbus env ... --curve-dir {folder}`", flush=True)
 
     def init_model(self) -> None:
         path = Path(self.config.model.path)
@@ -237,6 +256,7 @@ class RunSession:
             ports, teacher_ports = self.inference_ports()
             host = self.config.inference.host
             self.secrets = child_password(self.config, redis_url)
+            self.secure_envs()
             data = resolve(self.config, redis_url=redis_url, base_urls=[f"http://{host}:{p}/v1" for p in ports],
                            threads=self.threads, teacher_urls=[f"http://{host}:{p}/v1" for p in teacher_ports])
             self.resolved_path = self.output_dir / "config.resolved.toml"

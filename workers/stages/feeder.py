@@ -159,7 +159,8 @@ class FeederWorker:
         """Each env server's dataset size (spawning the servers that have no address)."""
         sizes = {}
         for env in self.config.env:
-            handle = await start_env(env, self.config.rollout.env_timeout_s, serve=False)
+            handle = await start_env(env, self.config.rollout.env_timeout_s, serve=False,
+                                   curve_dir=self.config.rollout.curve_dir)
             try:
                 sizes[env.resolved_name] = int((await handle.info())["size"])
             finally:

@@ -13,7 +13,10 @@ bounds how many training tasks can wait.
   in one MULTI. Inference servers that do not answer (refused, timed out, 5xx, 429) are the
   infrastructure's fault, not the task's: the task is held (still claimed) and retried with backoff until
   they answer (:class:`~workers.inference.client.OutageHold`, ``rollout/inference_wait_s``), without using up
-  its attempts; a wrong API key crashes the worker instead of dead-lettering every task.
+  its attempts; a wrong API key crashes the worker instead of dead-lettering every task. An env server that is
+  unreachable, dead or cannot be restarted (:class:`~bus.errors.EnvUnavailableError`) holds the task the same way
+  (``env_unreachable``, ``rollout/env_wait_s``); an error of the env's own code, or a call that hung
+  (``CallTimeout``), is an attempt of the task.
 - Crashes: while a group runs, the worker re-claims its task every ``claim_idle_ms / 3``
   (XCLAIM JUSTID) so the task never looks idle; a worker killed with ``kill -9`` stops doing so
   and another worker takes the task over (``Bus.reclaim``) after ``redis.claim_idle_ms``.
@@ -27,7 +30,7 @@ import time
 
 from bus.commit import NotOwned
 from bus.entries import Entry
-from bus.errors import ConfigError
+from bus.errors import ConfigError, EnvUnavailableError
 from bus.keys import GROUP_ROLLOUT
 from bus.log import get_logger
 from bus.messages import Metric, RolloutGroup, Task
@@ -90,7 +93,7 @@ class RolloutWorker:
         for stream in self.streams:
             await self.bus.ensure_group(stream, GROUP_ROLLOUT)
         handles = await asyncio.gather(
-            *(start_env(env, cfg.rollout.env_timeout_s) for env in self.envs.values())
+            *(start_env(env, cfg.rollout.env_timeout_s, curve_dir=cfg.rollout.curve_dir) for env in self.envs.values())
         )
         self.handles = dict(zip(self.envs, handles, strict=True))
         from transformers import AutoTokenizer  # heavy: only once the worker really starts
@@ -206,7 +209,8 @@ class RolloutWorker:
             return
         started = time.monotonic()
         log = self.log.bind(task_id=task.task_id, env=task.env)
-        error, attempt, outage = None, 0, OutageHold(log)
+        error, attempt = None, 0
+        outage, env_outage = OutageHold(log), OutageHold(log, "env")
         while attempt <= env.max_retries:
             wait_gate_s = 0.0
             if task.mode != "sft":  # a teacher's or a reference's answer does not depend on the policy's version
@@ -231,6 +235,11 @@ class RolloutWorker:
                     await self._hand_back(entry, task)
                     log.info("task_handed_back", reason="stopping while the inference servers do not answer")
                     return
+            except EnvUnavailableError as e:  # the env server is down, not the task bad: hold it
+                if not await env_outage.wait(e, self._stop):
+                    await self._hand_back(entry, task)
+                    log.info("task_handed_back", reason="stopping while the env server does not answer")
+                    return
             except ConfigError:
                 raise  # a wrong API key: every task would fail alike
             except Exception as e:  # the one boundary: retry, then dead-letter
@@ -245,7 +254,9 @@ class RolloutWorker:
             await self._dead_letter(entry, task, f"{error} (after {env.max_retries + 1} attempts)")
             return
         outage.recovered()
+        env_outage.recovered()
         timings = {**timings, "wait_gate_s": wait_gate_s, "inference_wait_s": outage.held_s,
+                   "env_wait_s": env_outage.held_s,
                    "total_s": time.monotonic() - started}
         group = RolloutGroup(task_id=task.task_id, env=task.env, example_id=task.example_id,
                              example_index=task.example_index, epoch=task.epoch, mode=task.mode, samples=samples,
@@ -254,6 +265,7 @@ class RolloutWorker:
         metric = Metric(source="rollout", values={"tokens_generated": float(generated), "group_s": timings["total_s"],
                                                   "wait_gate_s": wait_gate_s,
                                                   "rollout/inference_wait_s": outage.held_s,
+                                                  "rollout/env_wait_s": env_outage.held_s,
                                                   "rollout/train_groups": float(task.eval_step is None)})
         try:
             await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)],

@@ -17,7 +17,7 @@ import numpy as np
 import redis
 
 from bus.clients import sync_client
-from bus.config import redact
+from bus.config import redact, redis_password
 from bus.errors import ConfigError, DecodeError
 from bus.keys import Keys
 from bus.messages import MicroBatch, decode
@@ -193,7 +193,10 @@ def parse_args(argv: list[str], config: RlbusConfig | None) -> argparse.Namespac
 def main(config: RlbusConfig | None, argv: list[str]) -> int:
     args = parse_args(argv, config)
     keys = Keys(args.run)
-    client = sync_client(args.redis_url)
+    # The config's password (redis.password_var, or the password_file of `rlbus run`'s private Redis) goes with the
+    # config's URL only.
+    password = redis_password(config.redis) if config is not None and args.redis_url == config.redis.url else None
+    client = sync_client(args.redis_url, password=password)
     try:
         client.ping()
     except redis.ConnectionError as e:

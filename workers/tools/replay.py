@@ -16,7 +16,7 @@ import redis
 
 from bus.archive import archived_steps, read_step
 from bus.clients import sync_client
-from bus.config import redact
+from bus.config import redact, redis_password
 from bus.errors import ConfigError
 from bus.keys import Keys
 from bus.raw_entries import append_entries, entry_chunks
@@ -90,7 +90,8 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
     if not url:
         print("rlbus replay: no Redis given; pass --redis-url redis://HOST:PORT/0", file=sys.stderr)
         return 2
-    client = sync_client(url)
+    password = redis_password(config.redis) if config is not None and url == config.redis.url else None
+    client = sync_client(url, password=password)
     dst = Keys(args.to_run)
     if args.from_archive is not None:
         if args.stream != "batches":

@@ -184,3 +184,51 @@ async def test_a_spawned_servers_args_stay_out_of_its_command_line():
         assert (await handle.info())["size"] == 7  # the args still reached the env
     finally:
         await handle.close()
+
+
+def _serve_tcp(tmp_path, *flags: str) -> tuple[subprocess.Popen, str, object]:
+    from bus.local_redis import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    log = tmp_path / f"env-{len(list(tmp_path.glob('env-*.log')))}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "env", "--id", "echo_chars", "--bind", address,
+                             *flags], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "env_server_started" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.1)
+    return proc, address, log
+
+
+async def test_an_env_server_with_the_runs_curve_keys_serves_only_their_holders(tmp_path):
+    """`rlbus env --curve-dir` (keys made there if missing): the run's workers (rollout.curve_dir) are served, a
+    peer without the keys gets nothing. Before, any peer that reached a tcp:// port was served."""
+    keys = tmp_path / "curve"
+    proc, address, log = _serve_tcp(tmp_path, "--curve-dir", str(keys))
+    try:
+        handle = await EnvHandle.start(EnvConfig(id="echo_chars", address=address), timeout_s=5.0,
+                                       curve_dir=str(keys))
+        try:
+            assert (await handle.info())["size"] > 0
+        finally:
+            await handle.close()
+        async with RpcClient(address, 1.0) as stranger:
+            with pytest.raises(RpcTimeoutError):
+                await stranger.call("info")
+        assert "env_server_unauthenticated" not in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_tcp_env_server_without_keys_warns(tmp_path):
+    proc, address, log = _serve_tcp(tmp_path)
+    try:
+        deadline = time.monotonic() + 10
+        while "env_server_unauthenticated" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        assert "--curve-dir" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(10)

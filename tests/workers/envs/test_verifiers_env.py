@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from bus.errors import ConfigError, RpcError
+from bus.errors import ConfigError, EnvUnavailableError, RpcError
 from bus.local_redis import free_port
 from tests.paths import REPO
 from tests.workers.inference.process import InferenceProcess
@@ -192,7 +192,7 @@ async def test_an_external_server_at_an_address(server, tiny_model_dir):
             proc.wait(20)
             started = time.monotonic()
             long = SamplingConfig(temperature=1.0, max_completion_tokens=200)
-            with pytest.raises(RpcError, match="stopped answering health"):
+            with pytest.raises(EnvUnavailableError, match="stopped answering health"):
                 await vf_runner.run(task(4), handle, long, max_turns=1)
             assert time.monotonic() - started < 30
         finally:

@@ -68,3 +68,16 @@ def test_the_metrics_port_falls_back_to_a_free_one_when_taken_and_is_printed(tmp
                 assert 'rlbus_inflight_samples{run="ports"}' in response.read().decode()
         finally:
             session.exporter.stop()
+
+
+def test_a_run_with_an_env_on_tcp_makes_curve_keys_for_it(tmp_path, capsys):
+    config = RlbusConfig.model_validate({"run": {"name": "keys", "output_dir": str(tmp_path)},
+                                         "env": [{"id": "echo_chars", "address": "tcp://127.0.0.1:5555"}]})
+    session = RunSession(config, resume=False, attach=False, grace_s=1, health_timeout_s=1)
+    session.secure_envs()
+    folder = tmp_path.resolve() / "curve"
+    assert config.rollout.curve_dir == str(folder) and (folder / "client.secret").stat().st_mode & 0o777 == 0o600
+    assert f"--curve-dir {folder}" in capsys.readouterr().out
+    plain = RlbusConfig.model_validate({"run": {"name": "plain", "output_dir": str(tmp_path / "p")}})
+    RunSession(plain, resume=False, attach=False, grace_s=1, health_timeout_s=1).secure_envs()
+    assert plain.rollout.curve_dir is None and not (tmp_path / "p" / "curve").exists()

@@ -23,10 +23,12 @@ from bus.arrays import packb
 from bus.config import RedisConfig
 from bus.keys import GROUP_PACKER, Keys
 from bus.local_redis import LocalRedis, free_port
-from bus.messages import RolloutGroup, Sample
+from bus.messages import DeadLetter, RolloutGroup, Sample
 from bus.state import reconcile_inflight
 from bus.streams import Bus
 from tests.paths import REPO
+from tests.run_redis import run_redis_url
+from tests.workers.run import chaos
 
 DEFAULT = REPO / "configs" / "default.toml"
 QUICKSTART = REPO / "configs" / "quickstart.toml"
@@ -355,8 +357,9 @@ def test_quick_start_sft_then_rl_masters_held_out_words_within_ten_minutes(tmp_p
     assert (out / "report.png").exists() and (out / "rl" / "report.png").exists()
 
 
-def inject_garbage(client: redis.Redis, keys: Keys, step: int) -> int:
-    """Malformed entries of many shapes into every stream of the run; returns how many went to group streams."""
+def inject_garbage(client: redis.Redis, keys: Keys, step: int) -> tuple[int, set[tuple[str, str]]]:
+    """Malformed entries of many shapes into every stream of the run; how many went to group streams, and the
+    ``(stream, id)`` of each."""
     env = "echo_chars"
     shapes = [
         {b"\xff\xfe": b"\x00"},  # a field name that is not UTF-8, nothing else
@@ -368,54 +371,73 @@ def inject_garbage(client: redis.Redis, keys: Keys, step: int) -> int:
                     completion_logprobs=np.zeros(2, np.float32), loss_mask=np.ones(2, bool))
     group = RolloutGroup(task_id="echo_chars:0:999999", env=env, example_id="0", samples=[sample])
     sample.reward = float("nan")  # after the checks a message runs where it is built
-    nan_group = group.to_fields()
-    grouped = 0
+    injected = set()
+
+    def add(stream: str, fields: dict) -> None:
+        injected.add((stream, client.xadd(stream, fields).decode()))
+
     for stream in (keys.tasks(env), keys.rollouts(env), keys.filtered(env)):
         for fields in shapes:
-            client.xadd(stream, fields)
-            grouped += 1
-    client.xadd(keys.rollouts(env), nan_group)  # a NaN reward
-    grouped += 1
+            add(stream, fields)
+    add(keys.rollouts(env), group.to_fields())  # a NaN reward
+    grouped = len(injected)
     for stream in (keys.batches(step), keys.policy(), keys.weights(), keys.metrics()):
         for fields in shapes:
-            client.xadd(stream, fields)
-    return grouped
+            add(stream, fields)
+    return grouped, injected
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_balance(tmp_path, tiny_model_dir):
     """30 kill -9 of random roles, a rollout worker stopped past claim_idle_ms, Redis killed and restarted, malformed
-    entries in every stream and a NaN reward, all in one run: it reaches max_steps, every group is accounted for,
-    nothing is trained twice, the in-flight count is what the streams say."""
+    entries in every stream and a NaN reward, a hung env call, a 45 s inference outage, 200 bad inference requests
+    and a corrupt newest checkpoint, all in one run: it reaches max_steps, every group is accounted for, nothing is
+    trained twice, the in-flight count is what the streams say, and only the malformed entries are dead letters."""
     out = tmp_path / "run"
     steps = 40
+    flag = tmp_path / "hang"
     proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--redis.claim_idle_ms", "2000",
                      "--ckpt.interval", "1", "--eval.env", "none", "--rollout.workers", "2",
                      "--trainer.keep_batches", "0", "--packer.lease_ttl_s", "2",
-                     "--trainer.lease_ttl_s", "2")
+                     "--trainer.lease_ttl_s", "2", "--rollout.env_timeout_s", "10",
+                     "--inference.request_timeout_s", "15", "--inference.max_retries", "0",
+                     "--env.0.name", "echo_chars",
+                     "--env.0.id", "tests.workers.run.chaos:echo_chars_that_hangs_once", "--env.0.args",
+                     f'{{num_examples = 4096, answer_len = 4, flag = "{flag}"}}')
     wait_step(proc, out, 2, timeout_s=180)
-    url = re.search(r'^url = "(.*)"', (out / "config.resolved.toml").read_text(), flags=re.M).group(1)
+    url = run_redis_url(out)
     client, keys = redis.Redis.from_url(url), Keys("default")
-    garbage = inject_garbage(client, keys, trained_step(out) + 3)
+    garbage, injected = inject_garbage(client, keys, trained_step(out) + 3)
     client.close()
     rng = random.Random(0)
     roles = ["rollout", "filter", "packer", "trainer", "inference", "feeder"]
     port = url.rsplit(":", 1)[1].split("/")[0]
-    kills, stalled, redis_killed = 0, False, False
+    kills, faults, resolved = 0, set(), out / "config.resolved.toml"
     while kills < 30:
         if proc.poll() is not None:
             pytest.fail(f"the run ended after {kills} kills; its output:\n{stdout_of(out)[-4000:]}")
+        if kills >= 5 and "hung" not in faults:  # an env call that never returns: bounded, its server replaced
+            chaos.hang_an_env_call(out, flag)
+            faults.add("hung")
         rollouts = processes_mentioning(f"workers.cli rollout @ {out / 'config.resolved.toml'}")
-        if kills >= 10 and not stalled and rollouts:  # a rollout worker frozen longer than claim_idle_ms, then thawed
-            pid = rng.choice(rollouts)
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(3.5)
-            os.kill(pid, signal.SIGCONT)
-            stalled = True
-        if kills >= 20 and not redis_killed:  # Redis itself: the supervisor restarts it from its append-only file
+        if kills >= 10 and "stalled" not in faults and rollouts:  # a rollout worker frozen past claim_idle_ms
+            chaos.stop_for(rng.choice(rollouts), 3.5)
+            faults.add("stalled")
+        if kills >= 15 and "outage" not in faults:  # bad requests, then the inference server away for 45 s
+            statuses = chaos.flood_bad_requests(out)
+            assert statuses == [400] * 200, sorted(set(statuses))
+            chaos.stop_for(role_pid(out, "inference"), 45)
+            faults.add("outage")
+        if kills >= 20 and "redis" not in faults:  # Redis itself: the supervisor restarts it from its append-only file
             os.kill(processes_mentioning(f"redis-server 127.0.0.1:{port}")[0], signal.SIGKILL)
-            redis_killed = True
+            faults.add("redis")
+        if kills >= 25 and "checkpoint" not in faults:  # the trainer falls back to the newest intact checkpoint
+            trainer = lambda: next(iter(processes_mentioning(f"workers.cli trainer @ {resolved}")), None)  # noqa: E731
+            chaos.corrupt_newest_checkpoint_and_kill(out, trainer)
+            chaos.wait_log(out, "trainer", "checkpoint_corrupt", 120)
+            faults.add("checkpoint")
+            kills += 1
         pids = processes_mentioning(f"workers.cli {rng.choice(roles)} @ {out / 'config.resolved.toml'}")
         if pids:
             os.kill(rng.choice(pids), signal.SIGKILL)
@@ -431,13 +453,16 @@ def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_bala
                                 server.url, "--audit"], capture_output=True, text=True, cwd=REPO)
         assert audit.returncode == 0 and "trained twice: none" in audit.stdout, audit.stdout[-3000:]
 
-        async def books() -> tuple[tuple[int, int], int]:
+        async def books() -> tuple[tuple[int, int], list[DeadLetter]]:
             bus = await Bus.connect(server.url, "default", RedisConfig(url=server.url), "auditor")
             try:
-                return await reconcile_inflight(bus, ["echo_chars"]), await bus.redis.xlen(bus.keys.dead())
+                dead = [DeadLetter.from_fields(f) for _, f in await bus.redis.xrange(bus.keys.dead())]
+                return await reconcile_inflight(bus, ["echo_chars"]), dead
             finally:
                 await bus.close()
 
         (was, now), dead = asyncio.run(books())
         assert was == now, f"the in-flight count drifted: {was} recorded, {now} in the streams"
-        assert dead >= garbage
+        assert len(dead) >= garbage
+        outage = [d.reason for d in dead if (d.stream, d.entry_id) not in injected]
+        assert not outage, f"dead letters that were not injected (an outage's tasks?): {outage[:5]}"

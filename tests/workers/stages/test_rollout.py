@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 from bus.keys import GROUP_ROLLOUT, Keys
 from bus.local_redis import free_port
 from bus.messages import DeadLetter, RolloutGroup, Task
+from bus.rpc import RpcClient
 from bus.state import INFLIGHT_FIELD
 from workers.config_loader import load_config
 from workers.stages.rollout import RolloutWorker
@@ -365,3 +366,91 @@ def test_an_inference_outage_holds_its_tasks_instead_of_dead_lettering_them(tmp_
         assert worker.wait(30) == 0
     finally:
         s.close()
+
+
+async def _roll_through(stack: Stack, config, name: str, tasks: int, outage) -> list[dict]:
+    """A rollout worker on ``tasks`` tasks of env ``name`` while ``outage(worker)`` takes its env server away and
+    brings it back; the log events."""
+    stack.publish([_task(name, i, 1) for i in range(tasks)], inflight=tasks)
+    with capture_logs() as logs:
+        worker = RolloutWorker(config, worker=f"r-{name}")
+        await worker.setup()
+        running = asyncio.create_task(worker.run())
+        try:
+            await outage(worker)
+            deadline = time.monotonic() + 60
+            while len(stack.groups(name)) < tasks and time.monotonic() < deadline and not running.done():
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # no second copy of a group
+        finally:
+            worker.request_stop()
+            await running
+            await worker.close()
+    return logs
+
+
+def _assert_held(stack: Stack, name: str, tasks: int, logs: list[dict], held_s: float) -> None:
+    assert not [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
+    assert sorted(g.task_id for g in stack.groups(name)) == [f"{name}:0:{i}" for i in range(tasks)]
+    events = [e["event"] for e in logs]
+    assert "env_unreachable" in events and "env_recovered" in events
+    assert max(g.timings["env_wait_s"] for g in stack.groups(name)) > held_s
+
+
+async def test_tasks_held_while_an_env_server_at_its_address_is_down(stack, tmp_path):
+    """The env server at an [[env]]'s ``address`` is killed and started again on the same port 4 s later: the tasks
+    taken meanwhile are held (``env_unreachable``), not dead-lettered, and each is published once when it is back.
+    Before, with env.max_retries = 0, each became a dead letter at its first RpcTimeoutError."""
+    name = f"ext{uuid.uuid4().hex[:4]}"
+    address = f"tcp://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "workers.cli", "env", "--id", "tests.workers.stages.rollout_envs:slow_echo",
+            "--name", name, "--args", '{"step_s": 0.01}', "--bind", address]
+
+    def serve() -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdout=open(tmp_path / "env.log", "a"), stderr=subprocess.STDOUT)
+        stack.procs.append(proc)
+        return proc
+
+    server = serve()
+    async with RpcClient(address, timeout_s=30) as client:
+        await client.call("info")  # up before the worker connects
+    env = {"id": "tests.workers.stages.rollout_envs:slow_echo", "name": name, "group_size": 1, "max_retries": 0,
+           "address": address}
+    config = load_config([stack.config([env], env_timeout_s=1.0)], [])
+
+    async def outage(worker):
+        server.kill()
+        server.wait()
+        await asyncio.sleep(4)
+        assert not [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]  # held, not dead
+        serve()
+
+    logs = await _roll_through(stack, config, name, 4, outage)
+    _assert_held(stack, name, 4, logs, held_s=3)
+
+
+async def test_tasks_held_while_a_spawned_env_server_cannot_restart(stack, tmp_path):
+    """A spawned env server is killed and cannot start again for 3 s (its env refuses to load): the tasks wait for
+    it (``env_unreachable``), not dead-lettered, each published once after it restarts. Before, with env.max_retries
+    = 0, the failed restart made each task a dead letter."""
+    name = f"spw{uuid.uuid4().hex[:4]}"
+    flag = tmp_path / "down"
+    env = {"id": "tests.workers.stages.rollout_envs:unstartable_while", "name": name, "group_size": 1,
+           "max_retries": 0, "args": {"flag": str(flag)}}
+    config = load_config([stack.config([env], env_timeout_s=5.0)], [])
+
+    async def outage(worker):
+        handle = worker.handles[name]
+        flag.touch()
+        os.kill(handle.pid, signal.SIGKILL)
+        await asyncio.sleep(3)
+        assert not [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]  # held, not dead
+        flag.unlink()
+
+    logs = await _roll_through(stack, config, name, 4, outage)
+    _assert_held(stack, name, 4, logs, held_s=1)
+    assert worker_restarts(logs) >= 2  # the failed restart and the one that worked
+
+
+def worker_restarts(logs: list[dict]) -> int:
+    return sum(e["event"] == "env_server_restarted" for e in logs)

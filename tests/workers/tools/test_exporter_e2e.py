@@ -21,6 +21,7 @@ import yaml
 from bus.keys import Keys
 from bus.local_redis import free_port
 from tests.paths import REPO
+from tests.run_redis import run_redis_url
 from tests.workers.run.test_session_e2e import role_pid, start_run, stdout_of, trained_step
 
 PROMETHEUS = "/usr/bin/prometheus"
@@ -128,13 +129,9 @@ def scraped_run(tmp_path_factory, tiny_model_dir):
             proc.wait(10)
 
 
-def redis_url(out: Path) -> str:
-    return re.search(r'^url = "(.+)"$', (out / "config.resolved.toml").read_text(), flags=re.M).group(1)
-
-
 def dead_letter_one(out: Path) -> None:
     """A task entry no worker can decode: the rollout worker dead-letters it (reason ``decode``)."""
-    client = redis.Redis.from_url(redis_url(out))
+    client = redis.Redis.from_url(run_redis_url(out))
     try:
         client.xadd(Keys(RUN).tasks("echo_chars"), {"kind": "task", "v": "1", "data": b"\xc1 not msgpack"})
     finally:
@@ -194,7 +191,7 @@ def test_no_progress_alert_fires_on_a_stopped_trainer_and_clears_when_it_resumes
 @pytest.mark.timeout(60)
 def test_inspect_latency_prints_every_hop_of_the_live_run(scraped_run):
     proc, out, _ = scraped_run
-    done = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "--run", RUN, "--redis-url", redis_url(out),
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "--run", RUN, "--redis-url", run_redis_url(out),
                            "--latency", "4"], capture_output=True, text=True, cwd=REPO, timeout=40)
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[2:]}
