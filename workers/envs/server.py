@@ -209,6 +209,9 @@ class EnvHandle:
     async def score(self, index: int, messages: list[dict], state: dict) -> dict[str, Any]:
         return await self.call("score", index=index, messages=messages, state=state)
 
+    async def release(self, state: dict) -> None:
+        """An episode that ends unscored (its attempt failed): nothing to free, its state travels with each call."""
+
     async def call(self, method: str, **kwargs: Any) -> Any:
         """Call ``method``; a spawned server that has died is restarted and the call retried once."""
         if not self.spawned:

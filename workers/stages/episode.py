@@ -168,6 +168,19 @@ class Timer:
             self.totals[phase] = self.totals.get(phase, 0.0) + time.monotonic() - started
 
 
+async def all_or_none(*awaitables) -> list:
+    """Run ``awaitables`` concurrently; the first to fail cancels the others, waits for them, and is raised (so
+    nothing of a failed group runs on behind its back)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def score_episode(ep: Episode, task: Task, env: Any, timer: Timer) -> None:
     """The env's reward and metrics of a finished episode, into the episode."""
     scored = await timer.time("score_s", env.score(index=task.example_index, messages=ep.messages, state=ep.state))
@@ -205,8 +218,12 @@ class GroupRunner:
             ep = Episode(list(prompt_ids), list(initial["messages"]), dict(initial.get("state") or {}))
             self._add_turn(ep, choice, self._versions(first, task))
             episodes.append(ep)
-        await asyncio.gather(*(self._play(ep, task, env, limit, max_turns, server, timer) for ep in episodes))
-        await asyncio.gather(*(score_episode(ep, task, env, timer) for ep in episodes))
+        try:
+            await all_or_none(*(self._play(ep, task, env, limit, max_turns, server, timer) for ep in episodes))
+            await all_or_none(*(score_episode(ep, task, env, timer) for ep in episodes))
+        except BaseException:  # failed, or cancelled by the rollout's timeout: free what the env holds for them
+            await asyncio.gather(*(env.release(ep.state) for ep in episodes), return_exceptions=True)
+            raise
         if task.mode == "opd":
             await asyncio.gather(*(self._teacher_logprobs(ep, timer) for ep in episodes))
         temperature = 1.0 if sampling.temperature is None else sampling.temperature  # None: the server's default
