@@ -7,8 +7,9 @@ from pathlib import Path
 
 from bus.errors import ConfigError
 from workers.config import RlbusConfig
+from workers.env_config import EnvConfig
 from workers.envs.registry import load_env
-from workers.envs.verifiers_env import load_tasks, vf_config_data
+from workers.envs.verifiers_env import ANSWER_FIELD, load_tasks, reference_answer, vf_config_data
 from workers.run.hub import fetch_hub_model, is_hub_id
 from workers.run.resolved import needs_teacher_server
 
@@ -68,9 +69,12 @@ def check_envs(config: RlbusConfig) -> dict[str, int]:
                 continue
             if env.kind == "verifiers":
                 try:
-                    size = len(load_tasks(env, vf_config_data(env)))
+                    tasks = load_tasks(env, vf_config_data(env))
                 except ConfigError as e:
                     raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): {e}") from e
+                size = len(tasks)
+                if env.mode == "sft" and env.sft_source == "reference":
+                    check_answers(f"{section}.{i}", env, tasks)
                 if section == "eval.env":
                     eval_sizes[env.resolved_name] = size
                 continue
@@ -85,6 +89,15 @@ def check_envs(config: RlbusConfig) -> dict[str, int]:
             if section == "eval.env":
                 eval_sizes[env.resolved_name] = len(loaded)
     return eval_sizes
+
+
+def check_answers(where: str, env: EnvConfig, tasks: list[dict]) -> None:
+    """A verifiers env trained on its reference answers has one in every task."""
+    lacking = next((i for i, data in enumerate(tasks) if reference_answer(data) is None), None)
+    if lacking is not None:
+        raise ConfigError(f"{where} ({env.resolved_name!r}): sft_source = \"reference\" trains on each task's "
+                          f"{ANSWER_FIELD!r} field and task {lacking} of taskset {env.taskset['id']!r} has none; give "
+                          "its tasks an answer, or use sft_source = \"teacher\"")
 
 
 def run_problems(config: RlbusConfig, *, download: bool = True) -> list[str]:

@@ -288,15 +288,20 @@ class GroupRunner:
             self._add_turn(ep, result.choices[0], self._versions(result, task))
 
     async def _teacher_logprobs(self, ep: Episode, timer: Timer) -> None:
-        """opd: the teacher's logprob of every completion token, by prefilling prompt + completion."""
-        result = await timer.time("teacher_s", self.teacher.completions(
-            ep.tokens, n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=1, stop=None, seed=None,
-            logprobs=False, prompt_logprobs=True,
-        ))
-        lps = result.prompt_logprobs[len(ep.prompt_ids):]
-        if len(lps) != len(ep.completion_ids):
-            raise RolloutError(f"teacher returned {len(lps)} prompt logprobs for {len(ep.completion_ids)} completion tokens")
-        ep.teacher_logprobs = [0.0 if x is None else float(x) for x in lps]
+        ep.teacher_logprobs = await timer.time("teacher_s", teacher_logprobs(self.teacher, ep.prompt_ids,
+                                                                             ep.completion_ids))
+
+
+async def teacher_logprobs(teacher: Any, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """opd: the teacher's logprob of every completion token, by prefilling prompt + completion."""
+    result = await teacher.completions(
+        list(prompt_ids) + list(completion_ids), n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=1,
+        stop=None, seed=None, logprobs=False, prompt_logprobs=True,
+    )
+    lps = result.prompt_logprobs[len(prompt_ids):]
+    if len(lps) != len(completion_ids):
+        raise RolloutError(f"teacher returned {len(lps)} prompt logprobs for {len(completion_ids)} completion tokens")
+    return [0.0 if x is None else float(x) for x in lps]
 
 
 class AnswerRunner:
