@@ -40,6 +40,11 @@ def test_config_forms():
         EnvConfig(openenv={"app": "a:app", "base_url": "http://x"})
     with pytest.raises(ValidationError, match="set only one"):
         EnvConfig(id="echo_chars", openenv={"app": "a:app"})
+    from workers.config import RlbusConfig
+
+    with pytest.raises(ValidationError, match="OpenEnv env, which has no reference answers"):
+        RlbusConfig.model_validate({"env": [{**env.model_dump(exclude_unset=True), "mode": "sft",
+                                             "sft_source": "reference", "group_size": 1}]})
 
 
 async def play(handle: OpenEnvHandle, index: int, guesses: list[str]) -> tuple[list[dict], dict, int]:
