@@ -1,7 +1,8 @@
 """``rlbus ROLE @ a.toml [@ b.toml] [--section.key value ...] [--role-option value] [--dry-run]``.
 
 Dotted flags override the config; undotted flags go to the role's own argparse. Roles are
-imported lazily, so ``--help`` and ``--dry-run`` never import torch. A role's entry point is
+imported lazily, so ``--help`` and ``--dry-run`` never import torch; ``rlbus run --dry-run`` also runs the
+start-up checks ``rlbus run`` makes (envs load, models are there, W&B can log in). A role's entry point is
 ``main(config: RlbusConfig | None, argv: list[str]) -> int``.
 """
 
@@ -54,7 +55,8 @@ def usage() -> str:
         "roles:",
         *(f"  {name:<{width}}  {desc}" for name, (_, desc) in ROLES.items()),
         "",
-        "`rlbus ROLE --help` shows a role's own options; `--dry-run` prints the resolved config as JSON.",
+        "`rlbus ROLE --help` shows a role's own options; `--dry-run` prints the resolved config as JSON (`run`'s also "
+        "runs the start-up checks).",
     ]
     return "\n".join(lines)
 
@@ -64,6 +66,19 @@ def load_role(role: str):
     target, _ = ROLES[role]
     module_name, func_name = target.split(":")
     return getattr(importlib.import_module(module_name), func_name)
+
+
+def dry_run_checks(role: str, config) -> int:
+    """``rlbus run --dry-run``: what would stop the run at start, one line each on stderr (exit 2), loading no
+    model and fetching none; the other roles' ``--dry-run`` checks nothing beyond the config."""
+    if role != "run":
+        return 0
+    from workers.run.checks import dry_run_problems
+
+    problems = dry_run_problems(config)
+    for problem in problems:
+        print(f"rlbus run: {problem}", file=sys.stderr)
+    return CONFIG_EXIT_CODE if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return CONFIG_EXIT_CODE
     if dry_run:
         print(dump_json(config))
-        return 0
+        return dry_run_checks(role, config)
     if config is not None and config.stage and role not in STAGED_ROLES:
         print(f"rlbus {role}: this config has [[stage]]s, which `rlbus run` runs one after another; give this role "
               f"one stage's config (`rlbus run` writes it to {config.stage[0].config.run.output_dir}/"

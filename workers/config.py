@@ -381,6 +381,15 @@ class RlbusConfig(Section):
                                  "every completion token: a chat endpoint does not give them; serve the teacher on "
                                  "/v1/completions with prompt_logprobs (vLLM or rlbus inference) and set teacher.api "
                                  "= \"completions\"")
+            if env.kind == "openenv" and from_data:
+                raise ValueError(f"env {env.resolved_name!r} is an OpenEnv env, which has no reference answers to "
+                                 "train on; use sft_source = \"teacher\" (with a [teacher]) or mode = \"rl\"")
+            if (env.kind == "verifiers" and env.mode == "sft" and not from_data and self.teacher is not None
+                    and self.teacher.api == "chat"):
+                raise ValueError(f"env {env.resolved_name!r} is a verifiers env in sft from a teacher, whose runs "
+                                 "call the teacher on token ids (/inference/v1/generate): a chat endpoint cannot "
+                                 "serve them; serve the teacher with vLLM or rlbus inference and set teacher.api = "
+                                 "\"completions\", or train on the taskset's answers (sft_source = \"reference\")")
             if from_data and env.group_size != 1:
                 raise ValueError(f"env {env.resolved_name!r} trains on its reference answers (sft_source = "
                                  f"\"reference\"), one sample per task: set its group_size = 1, not {env.group_size}")

@@ -160,9 +160,9 @@ class EnvConfig(Section):
 
     sft_source: Literal["teacher", "reference"] = "teacher"
     """Where an sft env's completions come from: the teacher's servers (``[teacher]``), or each example's
-    reference answer (envs whose examples carry one, such as ``dataset`` and ``reasoning_gym``): prompt +
-    reference, chat template applied, loss on the assistant tokens, no teacher. One sample per task
-    (group_size 1)."""
+    reference answer (envs whose examples carry one, such as ``dataset`` and ``reasoning_gym``; a verifiers
+    taskset's ``answer`` field): prompt + reference, chat template applied, loss on the assistant tokens, no
+    teacher. One sample per task (group_size 1)."""
 
     address: str | None = None
     """ZeroMQ address of an external env server (``tcp://host:5555``); None: the rollout worker spawns one."""
@@ -247,8 +247,6 @@ class EnvConfig(Section):
             return self
         if not self.taskset.get("id"):
             raise ValueError('taskset needs an id: taskset = {id = "my-taskset", ...}')
-        if self.mode != "rl":
-            raise ValueError(f'mode = "{self.mode}" is not supported on verifiers envs yet; use mode = "rl"')
         if importlib.util.find_spec("verifiers") is None:
             raise ValueError(f"taskset = {{id = {self.taskset['id']!r}}} is a verifiers env: {VERIFIERS_INSTALL}")
         return self

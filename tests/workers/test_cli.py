@@ -36,6 +36,24 @@ def test_dry_run_imports_no_role_module():
     assert done.returncode == 0, done.stderr
 
 
+def test_run_dry_run_stops_where_run_would_at_start_with_one_line(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('[[env]]\nid = "nope-x"\n')
+    done = rlbus("run", "@", str(config), "--dry-run")
+    assert done.returncode == 2 and done.stderr.startswith("rlbus run: env.0 ('nope-x'): unknown env id 'nope-x'; ")
+    assert len(done.stderr.strip().splitlines()) == 1 and '"nope-x"' in done.stdout  # the config is printed all the same
+    done = rlbus("run", "--dry-run")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "rlbus run: no [[env]] configured; a run needs at least one training env (an [[env]] with an id)"]
+
+
+def test_run_dry_run_passes_a_config_that_starts_without_importing_torch():
+    code = (f"import sys; from workers.cli import main; rc = main(['run', '@', {str(REPO / 'configs' / 'quickstart.toml')!r}, "
+            "'--dry-run']); assert rc == 0 and 'torch' not in sys.modules and 'workers.run.session' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 def test_unknown_role():
     done = rlbus("trainr")
     assert done.returncode == 2 and "unknown role 'trainr'" in done.stderr

@@ -12,7 +12,9 @@ so the rollout worker plays an OpenEnv episode like any multi-turn env of its ow
 rewards the sample's reward; env turns are out of the loss mask, every call bounded by ``rollout.env_timeout_s``, a
 failed episode retried and then dead-lettered like any rollout. Episode ``i`` is ``reset(seed=i)``, so an example
 index names a reproducible episode; each episode runs in its own WebSocket session, opened at its first step and
-closed when it ends. A spawned server that has died is started again at the next episode.
+closed when it ends, or when its attempt fails (a call of its own that fails or is cancelled closes it, and the
+rollout worker releases the sessions of a failed group's episodes), so a server with a session cap never fills with
+dead episodes. A spawned server that has died is started again at the next episode.
 
 Importing this module does not import openenv; a missing extra is a ConfigError naming the install command.
 """
@@ -93,7 +95,11 @@ class OpenEnvHandle:
         if session not in self.sessions:  # the episode's first step: its own session, reset to the same episode
             session, _ = await self._open(index)
         reply = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "assistant"), "")
-        result = await self._call(self.sessions[session].step({self.cfg.action_field: reply}))
+        try:
+            result = await self._call(self.sessions[session].step({self.cfg.action_field: reply}))
+        except BaseException:  # failed or cancelled: the episode will not step again
+            await self._close_session(session)
+            raise
         state = {"session": session, "reward": state.get("reward", 0.0) + float(result.reward or 0.0),
                  "steps": state.get("steps", 0) + 1}
         if result.done:
@@ -106,6 +112,10 @@ class OpenEnvHandle:
         await self._close_session(state.get("session"))
         return {"reward": float(state.get("reward", 0.0)), "metrics": {"env_steps": float(state.get("steps", 0))}}
 
+    async def release(self, state: dict) -> None:
+        """An episode that ends unscored (its attempt failed): its session closed."""
+        await self._close_session(state.get("session"))
+
     async def close(self) -> None:
         for session in list(self.sessions):
             await self._close_session(session)
@@ -113,20 +123,24 @@ class OpenEnvHandle:
 
     async def _open(self, index: int) -> tuple[str, Any]:
         client = self._client_cls(base_url=self.base_url, message_timeout_s=self.timeout_s)
-        try:
-            await self._call(client.connect())
-        except RpcError as e:  # no connection at all: the server is down, not the task bad
-            raise EnvUnavailableError(str(e)) from e
         session = uuid.uuid4().hex
         self.sessions[session] = client
-        result = await self._call(client.reset(seed=index, **self.cfg.reset_args))
+        try:
+            try:
+                await self._call(client.connect())
+            except RpcError as e:  # no connection at all: the server is down, not the task bad
+                raise EnvUnavailableError(str(e)) from e
+            result = await self._call(client.reset(seed=index, **self.cfg.reset_args))
+        except BaseException:  # a reset refused (a full server) or cancelled: the session must not stay open
+            await self._close_session(session)
+            raise
         return session, result.observation
 
     async def _close_session(self, session: str | None) -> None:
         client = self.sessions.pop(session, None) if session else None
         if client is not None:
             try:
-                await client.close()
+                await asyncio.wait_for(client.close(), self.timeout_s)
             except Exception as e:  # a session of a dead server: nothing left to close
                 self.log.debug("openenv_session_close_failed", error=str(e))
 

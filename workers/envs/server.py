@@ -233,6 +233,9 @@ class EnvHandle:
     async def score(self, index: int, messages: list[dict], state: dict) -> dict[str, Any]:
         return await self.call("score", index=index, messages=messages, state=state)
 
+    async def release(self, state: dict) -> None:
+        """An episode that ends unscored (its attempt failed): nothing to free, its state travels with each call."""
+
     async def call(self, method: str, **kwargs: Any) -> Any:
         """Call ``method``; a spawned server that has died (or answers nothing, not even ``info``) is restarted and
         the call retried once. EnvUnavailableError: the server is down (see the module docstring)."""

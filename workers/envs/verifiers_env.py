@@ -40,6 +40,8 @@ DEFAULT_AGENT = {"harness": {"id": "rlbus-chat"}, "runtime": {"type": "subproces
 HEALTH_EVERY_S = 2.0
 HEALTH_MISSES = 3
 """An external server that misses this many health checks in a row (HEALTH_EVERY_S apart) fails its runs."""
+ANSWER_FIELD = "answer"
+"""The task field a verifiers env's sft from references trains on (verifiers' reference judge's default)."""
 UV_HARNESSES = frozenset({"null", "bash"})
 """verifiers harnesses that start their program with ``uv run`` (a package index or a wheel cache at run time)."""
 
@@ -89,6 +91,27 @@ def load_tasks(env: EnvConfig, config_data: dict[str, Any]) -> list[dict[str, An
         raise ConfigError(f"env {env.resolved_name!r}: taskset {env.taskset['id']!r} is infinite; "
                           "set max_tasks = N in its [[env]]")
     return [task.data.model_dump(mode="json") for task in taskset]
+
+
+def task_messages(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation a chat seat opens task ``data`` (wire data) with: its system prompt, then its prompt (a
+    string as the user's turn, or messages as given), as ``rlbus-chat`` sends it."""
+    messages = [{"role": "system", "content": data["system_prompt"]}] if data.get("system_prompt") else []
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    elif prompt:
+        messages += [dict(m) for m in prompt]
+    return messages
+
+
+def reference_answer(data: dict[str, Any]) -> str | None:
+    """Task ``data``'s reference answer: its ``answer`` field (the field verifiers' reference judge reads by
+    default; of a list of acceptable answers, the first); None when it has none."""
+    answer = data.get(ANSWER_FIELD)
+    if isinstance(answer, list):
+        answer = answer[0] if answer else None
+    return None if answer is None or answer == "" else str(answer)
 
 
 class VerifiersHandle:

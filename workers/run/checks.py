@@ -7,8 +7,9 @@ from pathlib import Path
 
 from bus.errors import ConfigError
 from workers.config import RlbusConfig
+from workers.env_config import EnvConfig
 from workers.envs.registry import load_env
-from workers.envs.verifiers_env import load_tasks, vf_config_data
+from workers.envs.verifiers_env import ANSWER_FIELD, load_tasks, reference_answer, vf_config_data
 from workers.run.hub import fetch_hub_model, is_hub_id
 from workers.run.resolved import needs_teacher_server
 
@@ -21,14 +22,15 @@ def missing_local_folder(path: str) -> bool:
     return Path(path).is_absolute() or path.startswith(".") or path.strip("/").count("/") >= 2
 
 
-def check_models(config: RlbusConfig) -> None:
+def check_models(config: RlbusConfig, *, download: bool = True) -> None:
     """The teacher's folder exists before anything starts (the policy's is built from model.init_preset); a hub id
-    (the policy's or the teacher's) is in the hub cache, fetched once here if it is not."""
+    (the policy's or the teacher's) is in the hub cache, fetched once here if it is not (unless ``download`` is
+    False: then one that could be fetched passes)."""
     teacher = config.teacher.path if config.teacher is not None else None
     served = teacher if needs_teacher_server(config) else None
     for what, path in (("model.path", config.model.path), ("teacher.path", served)):
         if path is not None and is_hub_id(path):
-            fetch_hub_model(path, what)
+            fetch_hub_model(path, what, download=download)
     if teacher is not None and needs_teacher_server(config) and missing_local_folder(teacher):
         raise ConfigError(f"teacher.path={teacher!r} does not exist; put a teacher there (a trained run's weights "
                           f"folder, or `rlbus init-model --out {teacher}` for a random one to try the pipeline) or "
@@ -67,9 +69,12 @@ def check_envs(config: RlbusConfig) -> dict[str, int]:
                 continue
             if env.kind == "verifiers":
                 try:
-                    size = len(load_tasks(env, vf_config_data(env)))
+                    tasks = load_tasks(env, vf_config_data(env))
                 except ConfigError as e:
                     raise ConfigError(f"{section}.{i} ({env.resolved_name!r}): {e}") from e
+                size = len(tasks)
+                if env.mode == "sft" and env.sft_source == "reference":
+                    check_answers(f"{section}.{i}", env, tasks)
                 if section == "eval.env":
                     eval_sizes[env.resolved_name] = size
                 continue
@@ -84,3 +89,44 @@ def check_envs(config: RlbusConfig) -> dict[str, int]:
             if section == "eval.env":
                 eval_sizes[env.resolved_name] = len(loaded)
     return eval_sizes
+
+
+def check_answers(where: str, env: EnvConfig, tasks: list[dict]) -> None:
+    """A verifiers env trained on its reference answers has one in every task."""
+    lacking = next((i for i, data in enumerate(tasks) if reference_answer(data) is None), None)
+    if lacking is not None:
+        raise ConfigError(f"{where} ({env.resolved_name!r}): sft_source = \"reference\" trains on each task's "
+                          f"{ANSWER_FIELD!r} field and task {lacking} of taskset {env.taskset['id']!r} has none; give "
+                          "its tasks an answer, or use sft_source = \"teacher\"")
+
+
+def run_problems(config: RlbusConfig, *, download: bool = True) -> list[str]:
+    """One line per check above that would stop ``rlbus run`` (what ``--dry-run`` and ``config convert`` report);
+    each env is checked on its own, so every env that would not load is named, not only the first."""
+    problems = [_problem(check_has_env, config)]
+    for section, envs in (("env", config.env), ("eval.env", config.eval.env)):
+        for i, env in enumerate(envs):
+            alone = config.model_copy(update={
+                "env": [env] if section == "env" else [],
+                "eval": config.eval.model_copy(update={"env": [env] if section == "eval.env" else []})})
+            problem = _problem(check_envs, alone)
+            problems.append(problem and problem.replace(f"{section}.0 ", f"{section}.{i} ", 1))
+    problems += [_problem(lambda c: check_models(c, download=download), config), _problem(check_wandb, config)]
+    return [p for p in problems if p]
+
+
+def _problem(check, config: RlbusConfig) -> str | None:
+    try:
+        check(config)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def dry_run_problems(config: RlbusConfig) -> list[str]:
+    """``rlbus run --dry-run``: :func:`run_problems` of the run, or of each ``[[stage]]`` (named), fetching no
+    model."""
+    if not config.stage:
+        return run_problems(config, download=False)
+    return [f"stage {stage.name}: {problem}" for stage in config.stage
+            for problem in run_problems(stage.config, download=False)]

@@ -26,14 +26,17 @@ def hub_cached(repo_id: str) -> bool:
     return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
-def fetch_hub_model(repo_id: str, what: str = "model.path") -> None:
-    """``repo_id`` in the hub cache (downloaded if it is not); a one-line ConfigError when it cannot be."""
+def fetch_hub_model(repo_id: str, what: str = "model.path", *, download: bool = True) -> None:
+    """``repo_id`` in the hub cache (downloaded if it is not); a one-line ConfigError when it cannot be. With
+    ``download=False`` (``--dry-run``) nothing is fetched: only a model neither cached nor fetchable (offline) fails."""
     if hub_cached(repo_id):
         return
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
         raise ConfigError(f"{what}={repo_id!r} is a hub id not in the local cache and HF_HUB_OFFLINE is set; "
                           f"download it where the hub is reachable (`hf download {repo_id}`) or set {what} to a "
                           "local folder")
+    if not download:
+        return
     try:
         snapshot_download(repo_id, etag_timeout=10)
     except (OSError, ValueError) as e:  # the hub's errors are OSErrors

@@ -168,6 +168,19 @@ class Timer:
             self.totals[phase] = self.totals.get(phase, 0.0) + time.monotonic() - started
 
 
+async def all_or_none(*awaitables) -> list:
+    """Run ``awaitables`` concurrently; the first to fail cancels the others, waits for them, and is raised (so
+    nothing of a failed group runs on behind its back)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def score_episode(ep: Episode, task: Task, env: Any, timer: Timer) -> None:
     """The env's reward and metrics of a finished episode, into the episode."""
     scored = await timer.time("score_s", env.score(index=task.example_index, messages=ep.messages, state=ep.state))
@@ -205,8 +218,12 @@ class GroupRunner:
             ep = Episode(list(prompt_ids), list(initial["messages"]), dict(initial.get("state") or {}))
             self._add_turn(ep, choice, self._versions(first, task))
             episodes.append(ep)
-        await asyncio.gather(*(self._play(ep, task, env, limit, max_turns, server, timer) for ep in episodes))
-        await asyncio.gather(*(score_episode(ep, task, env, timer) for ep in episodes))
+        try:
+            await all_or_none(*(self._play(ep, task, env, limit, max_turns, server, timer) for ep in episodes))
+            await all_or_none(*(score_episode(ep, task, env, timer) for ep in episodes))
+        except BaseException:  # failed, or cancelled by the rollout's timeout: free what the env holds for them
+            await asyncio.gather(*(env.release(ep.state) for ep in episodes), return_exceptions=True)
+            raise
         if task.mode == "opd":
             await asyncio.gather(*(self._teacher_logprobs(ep, timer) for ep in episodes))
         temperature = 1.0 if sampling.temperature is None else sampling.temperature  # None: the server's default
@@ -271,15 +288,20 @@ class GroupRunner:
             self._add_turn(ep, result.choices[0], self._versions(result, task))
 
     async def _teacher_logprobs(self, ep: Episode, timer: Timer) -> None:
-        """opd: the teacher's logprob of every completion token, by prefilling prompt + completion."""
-        result = await timer.time("teacher_s", self.teacher.completions(
-            ep.tokens, n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=1, stop=None, seed=None,
-            logprobs=False, prompt_logprobs=True,
-        ))
-        lps = result.prompt_logprobs[len(ep.prompt_ids):]
-        if len(lps) != len(ep.completion_ids):
-            raise RolloutError(f"teacher returned {len(lps)} prompt logprobs for {len(ep.completion_ids)} completion tokens")
-        ep.teacher_logprobs = [0.0 if x is None else float(x) for x in lps]
+        ep.teacher_logprobs = await timer.time("teacher_s", teacher_logprobs(self.teacher, ep.prompt_ids,
+                                                                             ep.completion_ids))
+
+
+async def teacher_logprobs(teacher: Any, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """opd: the teacher's logprob of every completion token, by prefilling prompt + completion."""
+    result = await teacher.completions(
+        list(prompt_ids) + list(completion_ids), n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=1,
+        stop=None, seed=None, logprobs=False, prompt_logprobs=True,
+    )
+    lps = result.prompt_logprobs[len(prompt_ids):]
+    if len(lps) != len(completion_ids):
+        raise RolloutError(f"teacher returned {len(lps)} prompt logprobs for {len(completion_ids)} completion tokens")
+    return [0.0 if x is None else float(x) for x in lps]
 
 
 class AnswerRunner:

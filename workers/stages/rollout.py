@@ -44,7 +44,7 @@ from workers.inference.client import InferenceClient, InferenceUnavailableError,
 from workers.lifecycle import connect_bus, consumer_name, run_worker
 from workers.stages.episode import AnswerRunner, ChatTokens, GroupRunner, chat_answers, reference_answers
 from workers.stages.gate import StalenessGate
-from workers.stages.traces import VerifiersRunner
+from workers.stages.traces import VerifiersReferenceRunner, VerifiersRunner
 
 
 def served_adapter(config: RlbusConfig, tracker: PolicyTracker):
@@ -74,6 +74,7 @@ class RolloutWorker:
         self.clients: list = []
         self.runner: GroupRunner | None = None
         self.sft_runner: GroupRunner | AnswerRunner | None = None
+        self.vf_sft_runner: VerifiersRunner | None = None
         self.gate: StalenessGate | None = None
         self.streams: list[str] = []
         self._running: dict[tuple[str, str], Entry] = {}
@@ -119,7 +120,10 @@ class RolloutWorker:
             self.sft_runner = AnswerRunner(chat, inf.max_model_len, served, chat_answers(teacher), "teacher")
         elif teacher is not None:
             self.sft_runner = GroupRunner(chat, teacher, teacher, inf.max_model_len, fallback_version=served)
-        self.vf_runner = VerifiersRunner(client, served, cfg.model.path, inf.api_key_var)
+        self.vf_runner = VerifiersRunner(client, served, cfg.model.path, inf.api_key_var, teacher=teacher)
+        if teacher is not None and cfg.teacher.api == "completions":
+            self.vf_sft_runner = VerifiersRunner(teacher, served, cfg.model.path, cfg.teacher.api_key_var)
+        self.vf_reference_runner = VerifiersReferenceRunner(cfg.model.path, served, inf.max_model_len)
         self.reference_runner = AnswerRunner(chat, inf.max_model_len, served, reference_answers, "reference")
         self.log.info("rollout_ready", envs=list(self.envs), max_concurrent_groups=cfg.rollout.max_concurrent_groups)
 
@@ -288,11 +292,12 @@ class RolloutWorker:
 
     def _runner(self, task: Task, env: EnvConfig):
         """Who makes the task's samples: the policy's servers, the teacher's (sft), or the env's reference (sft
-        from data); a verifiers env's runs (its harness calls the policy's servers itself)."""
-        if env.kind == "verifiers":
-            return self.vf_runner
+        from data); for a verifiers env, its runs (its harness calls the policy's servers, or the teacher's for
+        sft, itself) or its tasks' answers."""
         if task.mode != "sft":
-            return self.runner
+            return self.vf_runner if env.kind == "verifiers" else self.runner
+        if env.kind == "verifiers":
+            return self.vf_reference_runner if env.sft_source == "reference" else self.vf_sft_runner
         return self.reference_runner if env.sft_source == "reference" else self.sft_runner
 
     def _sampling(self, env: EnvConfig) -> SamplingConfig:

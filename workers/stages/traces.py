@@ -12,6 +12,11 @@ dead-letters it, and nothing of it is trained.
 Policy versions: a trace does not record which weights served each call, so a sample is stamped with the served
 version when its group started and when it ended (``cache_salt`` = that start version, so a prefix cache never mixes
 two versions' KV).
+
+Modes: opd asks the teacher for its logprob of every token of each sample (a prefill, as for rlbus's own envs); sft
+from a teacher plays the runs on the teacher's servers (:class:`VerifiersRunner` given the teacher's client); sft from
+references (:class:`VerifiersReferenceRunner`) renders each task's ``answer`` as the assistant's turn with the
+renderer verifiers' train client uses (``renderers`` for ``model.path``), without running the env.
 """
 
 import asyncio
@@ -22,7 +27,8 @@ import numpy as np
 
 from bus.messages import Sample, Task
 from workers.env_config import SamplingConfig
-from workers.stages.episode import RolloutError
+from workers.envs.verifiers_env import ANSWER_FIELD, reference_answer, task_messages
+from workers.stages.episode import RolloutError, teacher_logprobs
 
 VERIFIERS_KNOBS = ("temperature", "top_p", "top_k", "min_p")
 
@@ -83,19 +89,20 @@ class VerifiersRunner:
     """Rolls out one task of a verifiers env: ``group_size`` runs pinned to one inference server.
 
     ``client`` is the policy's :class:`~workers.inference.client.InferenceClient` (its servers' URLs and model
-    name); ``served`` gives the policy version every server serves now."""
+    name), or the teacher's for sft; ``served`` gives the policy version every server serves now; ``teacher``
+    prefills for opd's logprobs."""
 
-    def __init__(self, client: Any, served: Callable[[], int], renderer_model: str, api_key_var: str | None):
+    def __init__(self, client: Any, served: Callable[[], int], renderer_model: str, api_key_var: str | None,
+                 teacher: Any | None = None):
         self.client = client
         self.served = served
+        self.teacher = teacher
         self.renderer_model = renderer_model
         self.api_key_var = api_key_var or "RLBUS_VERIFIERS_API_KEY"
         """The variable verifiers' train client reads the servers' API key from (unset: it sends ``EMPTY``)."""
 
     async def run(self, task: Task, env: Any, sampling: SamplingConfig, max_turns: int,
                   max_total_tokens: int | None = None) -> tuple[list[Sample], dict]:
-        if task.mode != "rl":
-            raise RolloutError(f"mode {task.mode!r} is not supported on verifiers envs yet; use mode = \"rl\"")
         loop = asyncio.get_running_loop()
         started = loop.time()
         server = self.client.pick_server()
@@ -109,4 +116,72 @@ class VerifiersRunner:
         versions = (version, self.served())
         temperature = 1.0 if sampling.temperature is None else sampling.temperature
         samples = [s for ep in episodes for s in episode_samples(ep, versions, temperature)]
-        return samples, {"env_s": loop.time() - started}
+        timings = {"env_s": loop.time() - started}
+        if task.mode == "opd":
+            started = loop.time()
+            await asyncio.gather(*(self._teacher_logprobs(sample) for sample in samples))
+            timings["teacher_s"] = loop.time() - started
+        return samples, timings
+
+    async def _teacher_logprobs(self, sample: Sample) -> None:
+        lps = await teacher_logprobs(self.teacher, sample.prompt_ids.tolist(), sample.completion_ids.tolist())
+        sample.teacher_logprobs = np.where(sample.loss_mask, np.asarray(lps, dtype=np.float32), 0).astype(np.float32)
+
+
+class VerifiersReferenceRunner:
+    """sft from a verifiers taskset's reference answers: one sample per task, its ``answer`` as the assistant's turn
+    after the conversation a chat seat opens the task with (system prompt, prompt), rendered by the renderer
+    verifiers' train client builds for ``renderer_model``; the loss on the answer's tokens up to its stop token. The
+    env does not run (no reward: 0)."""
+
+    def __init__(self, renderer_model: str, served: Callable[[], int], max_model_len: int):
+        self.renderer_model = renderer_model
+        self.served = served
+        self.max_model_len = max_model_len
+        self._renderer: Any = None
+
+    async def run(self, task: Task, env: Any, sampling: SamplingConfig, max_turns: int,
+                  max_total_tokens: int | None = None) -> tuple[list[Sample], dict]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if self._renderer is None:
+            self._renderer = await asyncio.to_thread(load_renderer, self.renderer_model)
+        data = env.tasks[task.example_index]
+        answer = reference_answer(data)
+        if answer is None:
+            raise RolloutError(f"task {task.example_index} of env {env.name!r} has no {ANSWER_FIELD!r} field to train on")
+        prompt_ids, completion_ids, mask = render_answer(self._renderer, task_messages(data), answer)
+        if len(prompt_ids) + len(completion_ids) > self.max_model_len:
+            raise RolloutError(f"prompt + reference answer are {len(prompt_ids) + len(completion_ids)} tokens, over "
+                               f"inference.max_model_len={self.max_model_len}; raise it or shorten the tasks")
+        version = self.served()
+        sample = Sample(prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+                        completion_ids=np.asarray(completion_ids, dtype=np.int32),
+                        completion_logprobs=np.zeros(len(completion_ids), dtype=np.float32),
+                        loss_mask=np.asarray(mask, dtype=bool), policy_version_start=version,
+                        policy_version_end=version)
+        return [sample], {"reference_s": loop.time() - started}
+
+
+def load_renderer(model: str) -> Any:
+    """The renderer verifiers' train client builds for ``model`` (``renderer_model_name``, no renderer config)."""
+    from renderers import create_renderer
+    from renderers.base import load_tokenizer
+
+    return create_renderer(load_tokenizer(model), None)
+
+
+def render_answer(renderer: Any, messages: list[dict], answer: str) -> tuple[list[int], list[int], list[bool]]:
+    """(prompt ids with the generation prompt, the answer turn's ids up to its stop token, its loss mask: the
+    renderer's sampled mask where it gives one, else every answer token)."""
+    prompt = renderer.render_ids(messages, add_generation_prompt=True)
+    full = renderer.render(messages + [{"role": "assistant", "content": answer}], add_generation_prompt=False)
+    ids = list(full.token_ids)
+    if ids[:len(prompt)] != list(prompt):
+        raise RolloutError("the renderer does not render an assistant turn after the generation prompt; sft from "
+                           "reference answers needs an append-only chat template")
+    stops = set(renderer.get_stop_token_ids())
+    end = next((i + 1 for i, t in enumerate(ids[len(prompt):]) if t in stops), len(ids) - len(prompt))
+    completion = ids[len(prompt):len(prompt) + end]
+    sampled = list(full.sampled_mask)[len(prompt):len(prompt) + end]
+    return list(prompt), completion, sampled if sampled else [True] * len(completion)

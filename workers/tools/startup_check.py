@@ -1,17 +1,15 @@
 """What would stop ``rlbus run`` at start, without starting anything: a config (as a dict) → one line per problem.
 
-The same checks ``rlbus run`` makes before it starts a process (``check_has_env``, ``check_envs``,
-``check_models`` and ``check_wandb`` of :mod:`workers.run.checks`), after the config model's own validation;
-each env is checked on its own, so every env that would not load is named, not only the first. Whether an env
-runs is the env registry's and the config model's to say (an env form this checkout does not know fails
+The same checks ``rlbus run`` makes before it starts a process (:func:`workers.run.checks.run_problems`, which
+``rlbus run --dry-run`` reports too), after the config model's own validation, one line per env or field. Whether
+an env runs is the env registry's and the config model's to say (an env form this checkout does not know fails
 validation, and is reported as such).
 """
 
 from pydantic import ValidationError
 
-from bus.errors import ConfigError
 from workers.config import RlbusConfig
-from workers.run.checks import check_envs, check_has_env, check_models, check_wandb
+from workers.run.checks import run_problems
 
 
 def startup_problems(data: dict) -> list[str]:
@@ -22,24 +20,7 @@ def startup_problems(data: dict) -> list[str]:
         return _validation_lines(e.errors())
     except ValueError as e:
         return [str(e)]
-    problems = [_problem(check_has_env, config)]
-    for section, envs in (("env", config.env), ("eval.env", config.eval.env)):
-        for i, env in enumerate(envs):
-            alone = config.model_copy(update={
-                "env": [env] if section == "env" else [],
-                "eval": config.eval.model_copy(update={"env": [env] if section == "eval.env" else []})})
-            problem = _problem(check_envs, alone)
-            problems.append(problem and problem.replace(f"{section}.0 ", f"{section}.{i} ", 1))
-    problems += [_problem(check_models, config), _problem(check_wandb, config)]
-    return [p for p in problems if p]
-
-
-def _problem(check, config: RlbusConfig) -> str | None:
-    try:
-        check(config)
-    except ConfigError as e:
-        return str(e)
-    return None
+    return run_problems(config)
 
 
 def _validation_lines(errors: list[dict]) -> list[str]:

@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from bus.messages import Task
 from tests.paths import REPO
-from workers.env_config import EnvConfig
+from workers.env_config import EnvConfig, SamplingConfig
 from workers.envs.openenv_env import OpenEnvHandle
+from workers.stages.episode import ChatTokens, GroupRunner
+from workers.tools.init_model import build_tokenizer
 
 pytest.importorskip("openenv.core", reason="needs the openenv extra: pip install 'rlbus[openenv]'")
 
@@ -37,6 +40,11 @@ def test_config_forms():
         EnvConfig(openenv={"app": "a:app", "base_url": "http://x"})
     with pytest.raises(ValidationError, match="set only one"):
         EnvConfig(id="echo_chars", openenv={"app": "a:app"})
+    from workers.config import RlbusConfig
+
+    with pytest.raises(ValidationError, match="OpenEnv env, which has no reference answers"):
+        RlbusConfig.model_validate({"env": [{**env.model_dump(exclude_unset=True), "mode": "sft",
+                                             "sft_source": "reference", "group_size": 1}]})
 
 
 async def play(handle: OpenEnvHandle, index: int, guesses: list[str]) -> tuple[list[dict], dict, int]:
@@ -76,5 +84,55 @@ async def test_episodes_are_multi_turn_seeded_and_rewarded_by_the_env():
         await asyncio.sleep(0.5)
         again = await handle.initial(7)
         assert again["messages"] == first["messages"] and handle.restarts == 1
+    finally:
+        await handle.close()
+
+
+class MidwayClient:
+    """An inference client that guesses " " (never a hit) on each episode's first turn, then fails (``fail``) or
+    hangs (``hang``) on the next, or keeps guessing (``None``): an attempt that fails midway, its sessions open."""
+
+    def __init__(self, chat: ChatTokens, then: str | None):
+        self.chat, self.then, self.calls = chat, then, 0
+
+    def pick_server(self):
+        return 0
+
+    async def completions(self, ids, *, n, **_):
+        self.calls += 1
+        if self.calls > 1 and self.then == "fail":
+            raise RuntimeError("the inference server went away midway")
+        if self.calls > 1 and self.then == "hang":
+            await asyncio.sleep(3600)
+        ids = self.chat.tokenizer.encode(" ", add_special_tokens=False) + [self.chat.end_id]
+        choice = type("Choice", (), {"token_ids": ids, "logprobs": [-0.1] * len(ids), "finish_reason": "stop"})
+        return type("Result", (), {"choices": [choice] * n, "policy_version": 0})
+
+
+async def test_a_failed_attempts_sessions_are_closed_so_a_capped_server_takes_the_next_episodes():
+    from rlbus_test_hotcold import CAPPED_SESSIONS
+
+    env = EnvConfig(name="capped", openenv={"app": "rlbus_test_hotcold:capped_app", "num_episodes": 50}, max_turns=3)
+    handle = await OpenEnvHandle.start(env, timeout_s=30)
+    chat = ChatTokens(build_tokenizer())
+    sampling = SamplingConfig(temperature=1.0, max_completion_tokens=4)
+
+    def attempt(then: str | None, index: int):
+        task = Task(task_id=f"t:{index}", env="capped", example_id=str(index), example_index=index, epoch=0,
+                    group_size=CAPPED_SESSIONS, mode="rl")
+        runner = GroupRunner(chat, MidwayClient(chat, then), None, max_model_len=512, fallback_version=lambda: 0)
+        return runner.run(task, handle, sampling, max_turns=3)
+
+    try:
+        for index in range(3):  # each attempt opens every session the server holds, then fails with them open
+            with pytest.raises(RuntimeError, match="went away midway"):
+                await attempt("fail", index)
+            assert not handle.sessions
+        with pytest.raises(TimeoutError):  # the rollout's timeout cancels an attempt midway
+            async with asyncio.timeout(5):
+                await attempt("hang", 3)
+        assert not handle.sessions
+        samples, _ = await attempt(None, 4)  # the server has room for a whole group again
+        assert len(samples) == CAPPED_SESSIONS and all(s.turns == 3 for s in samples)
     finally:
         await handle.close()

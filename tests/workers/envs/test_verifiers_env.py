@@ -20,8 +20,8 @@ from tests.workers.inference.process import InferenceProcess
 from workers.env_config import EnvConfig, SamplingConfig
 from workers.envs.verifiers_env import VerifiersHandle, load_tasks, vf_config_data
 from workers.inference.client import InferenceClient
-from workers.stages.episode import RolloutError
-from workers.stages.traces import VerifiersRunner, episode_samples
+from workers.stages.episode import ChatTokens, RolloutError
+from workers.stages.traces import VerifiersReferenceRunner, VerifiersRunner, episode_samples
 
 pytest.importorskip("verifiers.v1", reason="needs the verifiers extra: pip install 'rlbus[verifiers]'")
 
@@ -55,11 +55,11 @@ def runner(server, tiny_model_dir) -> tuple[VerifiersRunner, InferenceClient]:
     return VerifiersRunner(client, served=lambda: 0, renderer_model=str(tiny_model_dir), api_key_var=None), client
 
 
-def task(index: int, group_size: int = 4):
+def task(index: int, group_size: int = 4, mode: str = "rl"):
     from bus.messages import Task
 
     return Task(task_id=f"t:{index}", env="e", example_id=str(index), example_index=index, epoch=0,
-                group_size=group_size, mode="rl")
+                group_size=group_size, mode=mode)
 
 
 SAMPLING = SamplingConfig(temperature=1.0, max_completion_tokens=6)
@@ -209,3 +209,54 @@ def test_a_failed_episode_is_an_error_never_a_sample():
 
     with pytest.raises(RolloutError, match="boom"):
         episode_samples(Episode(), (0, 0), 1.0)
+
+
+async def test_opd_samples_carry_the_teachers_logprob_of_every_sampled_token(server, tiny_model_dir):
+    client = InferenceClient([server.base_url])
+    teacher = InferenceClient([server.base_url])  # the policy as its own teacher: its logprobs are the sampler's
+    vf_runner = VerifiersRunner(client, served=lambda: 0, renderer_model=str(tiny_model_dir), api_key_var=None,
+                                teacher=teacher)
+    handle = await VerifiersHandle.start(echo_env())
+    try:
+        samples, timings = await vf_runner.run(task(5, mode="opd"), handle, SAMPLING, max_turns=1)
+        assert len(samples) == 4 and timings["teacher_s"] > 0
+        for s in samples:
+            assert s.teacher_logprobs.shape == s.completion_ids.shape
+            assert s.teacher_logprobs.tolist() == pytest.approx(s.completion_logprobs.tolist(), abs=2e-3)
+    finally:
+        await handle.close()
+        await client.close()
+        await teacher.close()
+
+
+async def test_sft_from_references_renders_each_tasks_answer_as_rlbus_renders_its_own(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    chat = ChatTokens(AutoTokenizer.from_pretrained(tiny_model_dir))
+    env = EnvConfig(taskset={"id": "rlbus-test-echo", "num_tasks": 16}, mode="sft", sft_source="reference")
+    handle = await VerifiersHandle.start(env, serve=False)
+    runner = VerifiersReferenceRunner(str(tiny_model_dir), served=lambda: 7, max_model_len=512)
+    (sample,), timings = await runner.run(task(2, group_size=1, mode="sft"), handle, SAMPLING, max_turns=1)
+    data = handle.tasks[2]
+    messages = [{"role": "user", "content": data["prompt"]}]
+    assert sample.prompt_ids.tolist() == chat.prompt(messages)  # what the policy is prompted with in rl
+    assert sample.completion_ids.tolist() == chat.answer(messages, data["answer"])  # the answer, to <|im_end|>
+    assert chat.tokenizer.decode(sample.completion_ids) == data["char"] * 4 + "<|im_end|>"
+    assert sample.loss_mask.all() and sample.policy_version_start == 7 and "reference_s" in timings
+
+
+def test_verifiers_envs_take_every_mode_and_say_what_each_needs():
+    from workers.config import RlbusConfig
+    from workers.run.checks import check_envs
+
+    teacher = {"path": "t", "base_urls": ["http://t/v1"]}
+    for mode in ("opd", "sft"):
+        RlbusConfig.model_validate({"env": [{"taskset": {"id": "rlbus-test-echo"}, "mode": mode}], "teacher": teacher})
+    with pytest.raises(ValidationError, match=r"a chat endpoint cannot serve them.*sft_source = \"reference\""):
+        RlbusConfig.model_validate({"env": [{"taskset": {"id": "rlbus-test-echo"}, "mode": "sft"}],
+                                    "teacher": {**teacher, "api": "chat", "model": "m"}})
+    references = RlbusConfig.model_validate({"env": [{"taskset": {"id": "rlbus-test-repeat", "num_tasks": 3},
+                                                      "mode": "sft", "sft_source": "reference"}]})
+    with pytest.raises(ConfigError, match="trains on each task's 'answer' field and task 0 of taskset "
+                                          "'rlbus-test-repeat' has none"):
+        check_envs(references)

@@ -119,3 +119,36 @@ def test_a_verifiers_env_at_an_external_address_trains(tmp_path, tiny_model_dir)
     finally:
         server.terminate()
         server.wait(20)
+
+
+def run_to_the_end(out: Path, model: Path, *overrides: str, config: Path) -> dict[int, float]:
+    """A run of ``max_steps`` that trains every step and dead-letters nothing; its held-out greedy eval rewards."""
+    proc = start_run(out, model, *overrides, config=config)
+    try:
+        assert wait_exit(proc, out, 300) == 0, stdout_of(out)[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    s = summary(out)
+    assert s["stopped_because"] == "max_steps" and s["groups"]["dead_lettered"] == 0, s["groups"]
+    return {int(k): v["eval/echo_eval/reward"] for k, v in s["eval"].items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sft_on_a_tasksets_answers_makes_a_teacher_that_sft_and_opd_train_a_fresh_student_from(tmp_path, tiny_model_dir):
+    config = write_config(tmp_path)
+    sft = run_to_the_end(tmp_path / "reference", tiny_model_dir, "--run.max_steps", "40", "--eval.interval", "40",
+                         "--env.0.mode", "sft", "--env.0.sft_source", "reference", "--env.0.group_size", "1",
+                         "--trainer.lr", "3e-3", config=config)
+    assert sft[0] < 0.2 and sft[40] > 0.8, sft  # greedy echo of held-out characters (random init ≈ 0.06)
+    teacher = str(tmp_path / "reference" / "weights" / "step_40")
+    student = run_to_the_end(tmp_path / "teacher", tiny_model_dir, "--run.max_steps", "40", "--eval.interval", "40",
+                             "--env.0.mode", "sft", "--env.0.group_size", "1", "--teacher.path", teacher,
+                             "--trainer.lr", "3e-3", config=config)
+    assert student[0] < 0.2 and student[40] > 0.4, student  # the runs played on the teacher's server
+    run_to_the_end(tmp_path / "opd", tiny_model_dir, "--run.max_steps", "4", "--eval.interval", "4",
+                   "--env.0.mode", "opd", "--teacher.path", teacher, config=config)
+    rows = [json.loads(line) for line in (tmp_path / "opd" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss/opd" in r]
+    assert len(trained) == 4 and all(r["loss_tokens/opd"] > 0 and r["loss/opd"] > 0 for r in trained), trained

@@ -1,9 +1,12 @@
 """``rlbus config``: the generated reference page is complete and current; ``convert`` writes a prime-rl config
 as rlbus's, says what it left, runs ``rlbus run``'s start-up checks, and turns path mistakes into one line."""
 
+import os
 import subprocess
 import sys
 import tomllib
+
+import pytest
 
 from tests.paths import REPO
 from tests.workers.tools.test_prime_rl_convert import CORPUS, MANIFEST
@@ -146,6 +149,44 @@ def test_a_converted_current_reverse_text_config_starts_with_only_its_env_edited
         'or set wandb.mode = "offline"']
     monkeypatch.setenv("WANDB_API_KEY", "a-key")
     assert startup_problems(data) == []
+
+
+VERIFIERS_SOURCE = '''
+[orchestrator]
+batch_size = 8
+rollouts_per_example = 4
+
+[orchestrator.model]
+name = "./policy"  # not there: rlbus run builds a random-init tiny one (a hub id would be fetched)
+
+[[orchestrator.train.source]]
+name = "echo"
+
+[orchestrator.train.source.env.taskset]
+id = "rlbus-test-echo"
+num_tasks = 16
+
+[orchestrator.train.source.env.agent]
+max_turns = 1
+'''
+
+
+def test_a_converted_verifiers_env_block_passes_run_dry_run_when_its_taskset_is_installed(tmp_path, monkeypatch):
+    pytest.importorskip("verifiers.v1", reason="needs the verifiers extra: pip install 'rlbus[verifiers]'")
+    tasksets = REPO / "tests" / "workers" / "envs" / "vf_tasksets"  # as if pip-installed
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tasksets), str(REPO)]))
+    source, out = tmp_path / "orch.toml", tmp_path / "rlbus.toml"
+    source.write_text(VERIFIERS_SOURCE)
+    done = rlbus_convert(source, "--out", out, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert tomllib.loads(out.read_text())["env"][0]["taskset"] == {"id": "rlbus-test-echo", "num_tasks": 16}
+    dry_run = [sys.executable, "-m", "workers.cli", "run", "@", str(out), "--dry-run"]
+    done = subprocess.run(dry_run, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out.write_text(out.read_text().replace("rlbus-test-echo", "rlbus-test-missing"))
+    done = subprocess.run(dry_run, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("rlbus run: env.0 ('echo'): ") \
+        and "taskset 'rlbus-test-missing' not found" in done.stderr, done.stderr
 
 
 def test_a_file_that_is_not_an_orchestrator_config_says_so(tmp_path):

@@ -3,7 +3,8 @@
 ``reset(seed)`` picks the secret character (from the seed, so an episode reproduces); each action's ``message`` is a
 guess (its first character counts); the reward of a step is the guess's closeness (``1 - distance / 12`` on the ring
 of printable ASCII, floored at 0), the episode ends on a hit or after ``MAX_GUESSES``. Served by openenv-core's own
-FastAPI app: ``uvicorn rlbus_test_hotcold:app``.
+FastAPI app: ``uvicorn rlbus_test_hotcold:app``; ``capped_app`` is the same game on a server that holds at most
+``CAPPED_SESSIONS`` sessions at once (as a hosted env would), refusing more.
 """
 
 import random
@@ -16,6 +17,7 @@ from openenv.core.env_server.types import Action, Observation, State
 FIRST, LAST = 33, 126
 RING = LAST - FIRST + 1
 MAX_GUESSES = 3
+CAPPED_SESSIONS = 2
 
 
 class GuessAction(Action):
@@ -55,3 +57,5 @@ class HotColdEnv(Environment[GuessAction, GuessObservation, State]):
 
 
 app = create_app(HotColdEnv, GuessAction, GuessObservation, env_name="rlbus_test_hotcold", max_concurrent_envs=256)
+capped_app = create_app(HotColdEnv, GuessAction, GuessObservation, env_name="rlbus_test_hotcold",
+                        max_concurrent_envs=CAPPED_SESSIONS)

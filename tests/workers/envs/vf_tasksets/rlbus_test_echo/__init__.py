@@ -3,7 +3,8 @@
 Single-turn: the prompt is a run of one printable character (``"kkkk"``); the reward ``closeness`` is the mean, over
 the reply's first 4 characters, of ``max(0, 1 - d / 12)`` with ``d`` the distance to the prompt's character on the
 ring of printable ASCII: a random byte-level model earns a little (≈ 0.06), so GRPO has signal from the first step,
-and echoing earns 1. Metric ``exact``: the share of those characters equal to it.
+and echoing earns 1. Metric ``exact``: the share of those characters equal to it. Each task's ``answer`` (the field
+verifiers' reference judge reads) is the echo, for sft from references.
 """
 
 import random
@@ -25,6 +26,7 @@ class EchoConfig(vf.TasksetConfig):
 
 class EchoData(vf.TaskData):
     char: str
+    answer: str
 
 
 def credit(char: str, target: str, width: float = 12.0) -> float:
@@ -50,4 +52,4 @@ class EchoTaskset(vf.Taskset[EchoTask, EchoConfig]):
         rng = random.Random(self.config.seed)
         for _ in range(self.config.num_tasks):
             char = chr(rng.randint(FIRST, LAST))
-            yield EchoTask(EchoData(prompt=char * 4, char=char), self.config.task)
+            yield EchoTask(EchoData(prompt=char * 4, char=char, answer=char * 4), self.config.task)
