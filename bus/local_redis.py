@@ -26,7 +26,8 @@ def redis_server_argv(binary: str, port: int, dir: Path, aof: bool = True, passw
     AUTH with ``password`` when given; ``conf``: a config file read first (one with ``requirepass`` keeps the
     password out of the command line, which ``ps`` shows)."""
     return [
-        binary, *([str(conf)] if conf is not None else []), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(dir),
+        binary, *([str(conf)] if conf is not None else []),
+        "--port", str(port), "--bind", "127.0.0.1", "--dir", str(dir),
         "--appendonly", "yes" if aof else "no", "--save", "", "--protected-mode", "no",
         "--daemonize", "no", "--loglevel", "warning", *(["--requirepass", password] if password else []),
     ]

@@ -34,7 +34,8 @@ def consumer_name(role: str, explicit: str | None = None) -> str:
 
 
 def die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: SIGTERM this child when ``parent_pid`` (the process spawning it) dies; exit at once if it already has."""
+    """preexec_fn: SIGTERM this child when ``parent_pid`` (the process spawning it) dies; exit at once if it already
+    has."""
 
     def preexec() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -111,7 +112,8 @@ def awaited_frames(task: asyncio.Task) -> list[str]:
 
 
 async def run_until_first(stop: asyncio.Event, *coros: Coroutine) -> None:
-    """Run ``coros`` until one ends or ``stop`` is set (``request_stop``); cancel the rest, re-raise an error of the first."""
+    """Run ``coros`` until one ends or ``stop`` is set (``request_stop``); cancel the rest, re-raise an error of the
+    first."""
     tasks = [asyncio.create_task(stop.wait()), *(asyncio.create_task(c) for c in coros)]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:

@@ -89,7 +89,8 @@ def load_environment(path: str, prompt_field: str = "prompt", answer_field: str 
     missing = [f for f in (source, answer_field) if f not in rows[0]]
     if missing:
         raise ValueError(f"{path} has no field {missing[0]!r}; its columns are {sorted(rows[0])}")
-    empty = [i for i, row in enumerate(rows) if row[answer_field] in (None, "") or row[answer_field] != row[answer_field]]
+    empty = [i for i, row in enumerate(rows)
+             if row[answer_field] in (None, "") or row[answer_field] != row[answer_field]]  # x != x: NaN
     if empty:
         raise ValueError(f"{path}: rows {empty[:5]} have no {answer_field!r} (empty or NaN); fill or drop them")
     data = [{"id": i, "prompt": row[source], "answer": row[answer_field]} for i, row in enumerate(rows)]

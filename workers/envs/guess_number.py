@@ -7,7 +7,8 @@ secret is found or after ``max_turns`` model turns.
 Reward ``guess`` (partial credit):
 
 - found on model turn ``t`` of at most ``T``: ``1 - 0.5 · (t - 1) / (T - 1)`` (1.0 at once, 0.5 on the last turn);
-- not found: ``0.5 · (1 - |best guess - secret| / (high - low))``, below 0.5, rising as the closest guess nears the secret;
+- not found: ``0.5 · (1 - |best guess - secret| / (high - low))``, below 0.5, rising as the closest guess nears
+  the secret;
 - no integer in any reply: 0.
 
 Metrics ``found`` (0/1) and ``turns`` (model turns taken) have weight 0. The reward is computed from

@@ -8,8 +8,8 @@ scorers (no network: examples are generated from a seed).
 Any other key in ``args`` goes to the generator's config (``min_word_len = 3`` …). ``holdout = 0.1`` sets aside
 the examples whose answer falls in a fixed 10% of answers (by a hash of the answer text): ``split = "train"`` keeps
 the rest, ``split = "held_out"`` only those, so a held-out eval never shares an answer with training, whatever the
-seeds. Each example's answer is its reference, so ``mode = "sft"`` with ``sft_source = "reference"`` can train on it first. Needs
-``pip install 'rlbus[reasoning-gym]'``.
+seeds. Each example's answer is its reference, so ``mode = "sft"`` with ``sft_source = "reference"`` can train on it
+first. Needs ``pip install 'rlbus[reasoning-gym]'``.
 """
 
 import zlib

@@ -37,7 +37,8 @@ def load_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
     try:
         inspect.signature(factory).bind(**args)
     except TypeError as e:
-        raise ConfigError(f"env id {env_id!r}: args {sorted(args)} do not fit {attr}{inspect.signature(factory)}: {e}") from e
+        raise ConfigError(
+            f"env id {env_id!r}: args {sorted(args)} do not fit {attr}{inspect.signature(factory)}: {e}") from e
     try:
         env = factory(**args)
     except ValueError as e:

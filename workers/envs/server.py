@@ -334,7 +334,8 @@ class EnvHandle:
                 "--max-turns", str(cfg.max_turns), "--bind", self.address,
                 "--call-timeout-s", str(HUNG_FRACTION * self.timeout_s)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", ARGS_VAR: json.dumps(cfg.args)}
-        preexec = die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None  # no env server outlives its owner
+        # No env server outlives its owner.
+        preexec = die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None
         self._process = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                              preexec_fn=preexec)
         self._exited = asyncio.ensure_future(self._process.wait())

@@ -100,12 +100,13 @@ class RunSession:
         elif event == "child_started":
             text = f"restarted {info['name']} (pid {info['pid']}, restart #{info['restarts']})"
         elif event == "child_restarting":
-            text = f"{info['name']} exited with code {info['exit_code']}; restarting in {info['in_s']:.0f}s (see {info['log']})"
+            text = (f"{info['name']} exited with code {info['exit_code']}; restarting in {info['in_s']:.0f}s "
+                    f"(see {info['log']})")
         elif event == "child_exited":
             text = f"{info['name']} exited with code {info['exit_code']}"
             if info["exit_code"] == CONFIG_EXIT_CODE and not self.sup.stopping:
-                self.fatal = (f"{info['name']} failed on its config (exit code {CONFIG_EXIT_CODE}); see {info['log']}:\n"
-                              + _tail(info["log"]))
+                self.fatal = (f"{info['name']} failed on its config (exit code {CONFIG_EXIT_CODE}); "
+                              f"see {info['log']}:\n" + _tail(info["log"]))
                 self.stop.set()
         else:
             text = f"{event} {info}"
@@ -120,8 +121,8 @@ class RunSession:
         model = Path(self.config.model.path).resolve()
         for name in RUN_STATE if fresh else ():
             if model.is_relative_to((self.output_dir / name).resolve()):
-                raise ConfigError(f"model.path={self.config.model.path!r} lies in this run's {name}/, which a fresh run "
-                                  "clears; give this stage its own run.output_dir (or resume with --resume)")
+                raise ConfigError(f"model.path={self.config.model.path!r} lies in this run's {name}/, which a "
+                                  "fresh run clears; give this stage its own run.output_dir (or resume with --resume)")
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if not fresh:
             return
@@ -183,7 +184,8 @@ class RunSession:
         """Ports of the inference servers and of the teacher server this run starts (port, port+1, …)."""
         ports = [] if self.config.inference.base_urls or self.attach else [
             self.config.inference.port + i for i in range(self.config.inference.servers)]
-        teacher = [self.config.inference.port + len(ports)] if needs_teacher_server(self.config) and not self.attach else []
+        own_teacher = needs_teacher_server(self.config) and not self.attach
+        teacher = [self.config.inference.port + len(ports)] if own_teacher else []
         for port in ports + teacher:
             if not _port_free(self.config.inference.host, port):
                 raise ConfigError(
@@ -213,7 +215,8 @@ class RunSession:
             url = f"http://{host}:{port}/health"
             await self._wait(lambda u=url: _http_ok(u), f"{name} at {url}", self.health_timeout_s, name)
         specs = [("feeder", "feeder", [], 0)]
-        specs += [(f"rollout-{i}", "rollout", ["--consumer", f"rollout-{i}"], 0) for i in range(self.config.rollout.workers)]
+        specs += [(f"rollout-{i}", "rollout", ["--consumer", f"rollout-{i}"], 0)
+                  for i in range(self.config.rollout.workers)]
         self._start(specs, env)
 
     def _start(self, specs: list[tuple[str, str, list[str], int]], env: dict[str, str]) -> None:

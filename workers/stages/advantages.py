@@ -47,7 +47,8 @@ def assign_advantages(
     tokens = np.array([int(s.loss_mask.sum()) for s in samples], dtype=np.int64)
     advantages = group_advantages(rewards, tokens, cfg, max_completion_tokens)
     if not np.isfinite(advantages).all():
-        raise ValueError(f"advantages {advantages.tolist()} are not finite (rewards {rewards.tolist()} overflow float32)")
+        raise ValueError(
+            f"advantages {advantages.tolist()} are not finite (rewards {rewards.tolist()} overflow float32)")
     for sample, advantage in zip(samples, advantages, strict=True):
         sample.advantage = float(advantage)
     return advantages

@@ -149,7 +149,8 @@ class VerifiersReferenceRunner:
         data = env.tasks[task.example_index]
         answer = reference_answer(data)
         if answer is None:
-            raise RolloutError(f"task {task.example_index} of env {env.name!r} has no {ANSWER_FIELD!r} field to train on")
+            raise RolloutError(
+                f"task {task.example_index} of env {env.name!r} has no {ANSWER_FIELD!r} field to train on")
         prompt_ids, completion_ids, mask = render_answer(self._renderer, task_messages(data), answer)
         if len(prompt_ids) + len(completion_ids) > self.max_model_len:
             raise RolloutError(f"prompt + reference answer are {len(prompt_ids) + len(completion_ids)} tokens, over "
