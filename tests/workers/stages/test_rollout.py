@@ -127,7 +127,7 @@ def _wait_for(predicate, timeout_s: float, what: str):
         time.sleep(0.1)
 
 
-def test_multi_turn_groups_and_a_failing_task(stack):
+async def test_multi_turn_groups_and_a_failing_task(stack):
     """guess_number episodes: env tokens masked, logprobs those of the served model; a task that keeps
     failing is dead-lettered after max_retries with its error, a task naming an env this worker does not serve
     is dead-lettered at once, both give their samples back, and the worker carries on."""
@@ -140,18 +140,15 @@ def test_multi_turn_groups_and_a_failing_task(stack):
     stack.redis.xadd(stack.keys.tasks(name), _task("elsewhere", 7, 2).to_fields())
     stack.redis.hincrby(stack.keys.state(), INFLIGHT_FIELD, 2)
 
-    async def main():
-        worker = RolloutWorker(config, worker="r-inproc")
-        await worker.setup()
-        running = asyncio.create_task(worker.run())
-        deadline = time.monotonic() + 120
-        while len(stack.groups(name)) < 3 and time.monotonic() < deadline and not running.done():
-            await asyncio.sleep(0.1)
-        worker.request_stop()
-        await running
-        await worker.close()
-
-    asyncio.run(main())
+    worker = RolloutWorker(config, worker="r-inproc")
+    await worker.setup()
+    running = asyncio.create_task(worker.run())
+    deadline = time.monotonic() + 120
+    while len(stack.groups(name)) < 3 and time.monotonic() < deadline and not running.done():
+        await asyncio.sleep(0.1)
+    worker.request_stop()
+    await running
+    await worker.close()
     unserved, failing = sorted(stack.dead(), key=lambda d: "IndexError" in d.reason)
     assert "'elsewhere', which is not configured here" in unserved.reason
     assert failing.stream == stack.keys.tasks(name)
@@ -241,7 +238,7 @@ def test_kill_9_mid_group_is_redone_exactly_once(stack):
     assert survivor.wait(30) == 0
 
 
-def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
+async def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
     name = f"late{uuid.uuid4().hex[:4]}"
     env = {"id": "tests.workers.stages.rollout_envs:slow_echo", "name": name, "group_size": 1, "max_retries": 1,
            "rollout_timeout_s": 0.5, "args": {"step_s": 1.5}}
@@ -249,21 +246,18 @@ def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
     before = int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD) or 0)
     stack.publish([_task(name, 0, 1)], inflight=1)
 
-    async def main():
-        worker = RolloutWorker(config, worker="r-timeout")
-        await worker.setup()
-        running = asyncio.create_task(worker.run())
-        deadline = time.monotonic() + 60
-        while not mine() and time.monotonic() < deadline and not running.done():
-            await asyncio.sleep(0.1)
-        worker.request_stop()
-        await running
-        await worker.close()
-
     def mine():
         return [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
 
-    asyncio.run(main())
+    worker = RolloutWorker(config, worker="r-timeout")
+    await worker.setup()
+    running = asyncio.create_task(worker.run())
+    deadline = time.monotonic() + 60
+    while not mine() and time.monotonic() < deadline and not running.done():
+        await asyncio.sleep(0.1)
+    worker.request_stop()
+    await running
+    await worker.close()
     (letter,) = mine()
     assert "rollout_timeout_s=0.5" in letter.reason and "after 2 attempts" in letter.reason
     assert stack.groups(name) == [] and int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == before
@@ -285,7 +279,7 @@ async def _proxy(port: int, target: str) -> web.AppRunner:
     return runner
 
 
-def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
+async def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
     """No server answers on inference.base_urls for 4 s (connection refused), then one does: the tasks taken
     meanwhile are held (inference_unreachable) and then rolled out; with env.max_retries = 0 each used to become a
     dead letter at its first refused connection. The slow test below does the same with a 45 s outage."""
@@ -296,7 +290,7 @@ def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
     config = load_config([stack.config([env])], [("inference.base_urls", [f"http://127.0.0.1:{port}/v1"])])
     stack.publish([_task(name, i, 2) for i in range(2)], inflight=4)
 
-    async def main():
+    with capture_logs() as logs:
         worker = RolloutWorker(config, worker="r-hold")
         await worker.setup()
         running = asyncio.create_task(worker.run())
@@ -310,9 +304,6 @@ def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
         await running
         await worker.close()
         await proxy.cleanup()
-
-    with capture_logs() as logs:
-        asyncio.run(main())
     assert sorted(g.task_id for g in stack.groups(name)) == [f"{name}:0:{i}" for i in range(2)]
     assert not [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
     assert any(e["event"] == "inference_unreachable" for e in logs)
