@@ -59,7 +59,8 @@ async def test_a_bus_follows_a_failover_and_keeps_what_it_committed(cluster, run
 
 
 @pytest.mark.timeout(120)
-async def test_blocked_readers_follow_the_failover_and_never_write_into_the_old_primary_come_back_empty(cluster, run_name):
+async def test_blocked_readers_follow_the_failover_and_never_write_into_the_old_primary_come_back_empty(cluster,
+                                                                                                        run_name):
     """redis-py alone reconnects a dropped connection to the address it had: once the killed primary is back
     (empty, before the sentinels make it a replica), its readers got NOGROUP from it and its writers wrote there."""
     cfg = RedisConfig(url=cluster.url, reconnect_timeout_s=30)

@@ -37,7 +37,8 @@ def tls_redis(tmp_path):
     proc.wait(timeout=10)
 
 
-async def test_a_bus_speaks_tls_to_a_rediss_url_and_refuses_an_unknown_certificate(tls_redis, tmp_path, run_name):
+async def test_a_bus_speaks_tls_to_a_rediss_url_and_refuses_an_unknown_certificate(tls_redis, tmp_path,
+                                                                                   run_name):
     port, ca = tls_redis
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}&ssl_cert_reqs=required"
 

@@ -12,7 +12,8 @@ from tests.workers.stages.helpers import ENV, config, group, pending
 from workers.stages.filter import FilterWorker
 
 
-async def test_filter_commits_atomically_and_releases_only_dropped_samples(bus, redis_url, run_name, model_dir):
+async def test_filter_commits_atomically_and_releases_only_dropped_samples(bus, redis_url, run_name,
+                                                                           model_dir):
     cfg = config(redis_url, run_name, model_dir)
     cfg.filter.pre_batch_filters[2].enforce = True  # zero_advantage drops
 
@@ -58,7 +59,8 @@ async def test_zero_variance_collapse_stops_with_the_message(bus, redis_url, run
         assert isinstance(metric, Metric) and metric.values["collapse/zero_variance_groups"] == 3
 
 
-async def test_a_group_that_breaks_the_filter_goes_dead_alone(bus, redis_url, run_name, model_dir, monkeypatch):
+async def test_a_group_that_breaks_the_filter_goes_dead_alone(bus, redis_url, run_name, model_dir,
+                                                              monkeypatch):
     cfg = config(redis_url, run_name, model_dir)
 
     async with bus("test") as b:

@@ -158,7 +158,8 @@ async def test_held_groups_stay_claimed_and_are_never_dead_lettered(bus, redis_u
         assert await b.state_get("inflight") == "0"
 
 
-async def test_packs_a_smaller_step_when_the_inflight_cap_holds_everything_here(bus, redis_url, run_name, model_dir):
+async def test_packs_a_smaller_step_when_the_inflight_cap_holds_everything_here(bus, redis_url, run_name,
+                                                                                model_dir):
     """Cap 3, group_size 2, batch 4: the feeder cannot add a group to the 2 held samples, so step 1 packs them."""
     cfg = config(redis_url, run_name, model_dir)
     cfg.feeder.max_inflight_rollouts = 3
@@ -178,7 +179,8 @@ async def test_packs_a_smaller_step_when_the_inflight_cap_holds_everything_here(
         assert await b.state_get("inflight") == "0"
 
 
-async def test_own_pending_entries_past_max_deliveries_go_dead_on_restart(bus, redis_url, run_name, model_dir):
+async def test_own_pending_entries_past_max_deliveries_go_dead_on_restart(bus, redis_url, run_name,
+                                                                          model_dir):
     cfg = config(redis_url, run_name, model_dir)
 
     async with bus("test") as b:
@@ -202,7 +204,8 @@ async def test_own_pending_entries_past_max_deliveries_go_dead_on_restart(bus, r
 
 
 @pytest.mark.parametrize("bad_id", [300, -4])
-async def test_a_group_with_token_ids_outside_the_vocabulary_goes_dead(bus, redis_url, run_name, model_dir, bad_id):
+async def test_a_group_with_token_ids_outside_the_vocabulary_goes_dead(bus, redis_url, run_name, model_dir,
+                                                                       bad_id):
     cfg = config(redis_url, run_name, model_dir)  # the model's vocabulary: 300 ids
 
     async with bus("test") as b:
@@ -246,7 +249,8 @@ async def test_a_second_group_for_the_same_task_is_dropped_and_counted(bus, redi
         assert await b.state_get("inflight") == "0"
 
 
-async def test_a_second_packer_waits_as_a_standby_and_takes_over_the_first_ones_groups(bus, redis_url, run_name, model_dir):
+async def test_a_second_packer_waits_as_a_standby_and_takes_over_the_first_ones_groups(bus, redis_url,
+                                                                                       run_name, model_dir):
     cfg = config(redis_url, run_name, model_dir, lease_ttl_s=0.6)
 
     async with bus("test") as b:
