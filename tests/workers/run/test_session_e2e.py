@@ -4,7 +4,6 @@ Each test starts `python -m workers.cli run` as a subprocess (plain log lines: s
 reads what it left: summary.json, metrics.jsonl, the streams.
 """
 
-import asyncio
 import json
 import os
 import random
@@ -384,7 +383,7 @@ def inject_garbage(client: redis.Redis, keys: Keys, step: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_balance(tmp_path, tiny_model_dir):
+async def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_balance(tmp_path, tiny_model_dir):
     """30 kill -9 of random roles, a rollout worker stopped past claim_idle_ms, Redis killed and restarted, malformed
     entries in every stream and a NaN reward, all in one run: it reaches max_steps, every group is accounted for,
     nothing is trained twice, the in-flight count is what the streams say."""
@@ -430,14 +429,10 @@ def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_bala
         audit = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "--run", "default", "--redis-url",
                                 server.url, "--audit"], capture_output=True, text=True, cwd=REPO)
         assert audit.returncode == 0 and "trained twice: none" in audit.stdout, audit.stdout[-3000:]
-
-        async def books() -> tuple[tuple[int, int], int]:
-            bus = await Bus.connect(server.url, "default", RedisConfig(url=server.url), "auditor")
-            try:
-                return await reconcile_inflight(bus, ["echo_chars"]), await bus.redis.xlen(bus.keys.dead())
-            finally:
-                await bus.close()
-
-        (was, now), dead = asyncio.run(books())
+        bus = await Bus.connect(server.url, "default", RedisConfig(url=server.url), "auditor")
+        try:
+            (was, now), dead = await reconcile_inflight(bus, ["echo_chars"]), await bus.redis.xlen(bus.keys.dead())
+        finally:
+            await bus.close()
         assert was == now, f"the in-flight count drifted: {was} recorded, {now} in the streams"
         assert dead >= garbage
