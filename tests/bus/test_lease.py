@@ -14,7 +14,6 @@ from tests.outages import redis_outage
 TTL_S = 1.0
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("renewer", ["task", "thread"])
 async def test_a_holder_rides_out_a_redis_outage_longer_than_its_ttl(tmp_path, renewer):
     """The packer renews from a task, the trainer from a thread: each keeps its lease through a restart of Redis
@@ -44,7 +43,6 @@ async def test_a_holder_rides_out_a_redis_outage_longer_than_its_ttl(tmp_path, r
         server.stop()
 
 
-@pytest.mark.asyncio
 async def test_a_holder_that_finds_the_lease_taken_while_redis_was_away_stops(bus):
     async with bus("a") as a, bus("b") as b:
         first = Lease(a, "packer", process_holder("packer"), TTL_S)
@@ -56,7 +54,6 @@ async def test_a_holder_that_finds_the_lease_taken_while_redis_was_away_stops(bu
             await asyncio.wait_for(first.keep(), 3 * TTL_S)
 
 
-@pytest.mark.asyncio
 async def test_two_holders_of_the_same_name_are_two_holders(bus):
     """Two packers started with the default consumer name: after the first stalls past its TTL the second holds the
     lease; the first, awake again, must stop (not go on beside it), and its clean stop must not end the second's."""

@@ -184,7 +184,6 @@ async def test_malformed_batch_is_answered_with_an_error_and_the_server_keeps_se
         assert await client.call("add", a=1, b=1) == 2
 
 
-@pytest.mark.asyncio
 async def test_a_hung_sync_handler_is_bounded_and_the_server_keeps_answering():
     """User code that never returns runs off the server's event loop: its neighbours are answered, the call fails
     once past call_timeout_s, and the server reports it hung (an env server then exits to be replaced)."""
@@ -210,7 +209,6 @@ async def test_a_hung_sync_handler_is_bounded_and_the_server_keeps_answering():
         await serving
 
 
-@pytest.mark.asyncio
 async def test_a_slow_sync_call_in_a_batch_does_not_hold_up_its_neighbours():
     handlers = {**HANDLERS, "nap": lambda s: time.sleep(s) or "rested"}
     async with served_with(handlers) as (_, client):
@@ -222,7 +220,6 @@ async def test_a_slow_sync_call_in_a_batch_does_not_hold_up_its_neighbours():
         assert await slow == "rested"
 
 
-@pytest.mark.asyncio
 async def test_system_exit_in_user_code_fails_only_its_own_call():
     async with served_with({**HANDLERS, "quit": lambda: sys.exit(3)}) as (_, client):
         results = await asyncio.gather(client.call("quit"), client.call("add", a=1, b=1), return_exceptions=True)
@@ -231,7 +228,6 @@ async def test_system_exit_in_user_code_fails_only_its_own_call():
         assert await client.call("add", a=2, b=2) == 4  # still serving
 
 
-@pytest.mark.asyncio
 async def test_a_message_over_the_cap_is_dropped_and_the_server_keeps_serving():
     """Anyone who reaches the port cannot make the server take a 400 MiB frame: past max_message_bytes the peer
     is dropped unanswered, and other clients are served."""

@@ -145,7 +145,6 @@ async def test_a_trainer_rides_out_a_redis_outage_longer_than_its_lease(tmp_path
         server.stop()
 
 
-@pytest.mark.asyncio
 async def test_a_wedged_holder_lets_its_lease_go_and_a_standby_takes_over(redis_url, bus, run_name):
     """A trainer whose loop makes no progress (a hung collective, stuck storage) stops renewing its lease once
     trainer.progress_timeout_s passes: a standby takes over, and the wedged one, awake again, publishes nothing."""
@@ -165,7 +164,6 @@ async def test_a_wedged_holder_lets_its_lease_go_and_a_standby_takes_over(redis_
         wedged.keeper.close()
 
 
-@pytest.mark.asyncio
 async def test_a_holder_that_makes_progress_keeps_its_lease(redis_url, bus, run_name):
     config = make_config(redis_url, run_name, "/tmp/unused", "/tmp/unused",
                          trainer={"lease_ttl_s": 0.3, "progress_timeout_s": 0.5})

@@ -135,7 +135,6 @@ async def test_cli_serves_a_config_env_and_external_handle_uses_it(tmp_path):
         assert process.wait(timeout=10) == 0
 
 
-@pytest.mark.asyncio
 async def test_a_hung_call_is_bounded_its_server_replaced_and_its_neighbours_answered():
     """User code that never returns: the call fails within the handle's timeout (CallTimeout, not a silent wait),
     the call batched with it is answered, and the server is replaced so later calls go on."""
@@ -155,7 +154,6 @@ async def test_a_hung_call_is_bounded_its_server_replaced_and_its_neighbours_ans
         await handle.close()
 
 
-@pytest.mark.asyncio
 async def test_a_spawned_servers_args_stay_out_of_its_command_line():
     """Env args may hold secrets (API keys of a remote env): `ps` on the host must not show them."""
     handle = await EnvHandle.start(EnvConfig(id="reverse_text", args={"num_examples": 7}), timeout_s=10)

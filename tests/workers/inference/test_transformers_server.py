@@ -279,7 +279,6 @@ async def test_gloo_broadcast_update_is_loaded_in_place(server, bus, run, tmp_pa
     assert after["policy_version"] == 2 and after["choices"][0]["token_ids"] == expected[2:]
 
 
-@pytest.mark.asyncio
 async def test_metrics_count_the_tokens_sampled_and_name_the_server(server, run):
     async def scrape(http) -> dict[str, float]:
         async with http.get(f"http://127.0.0.1:{server.port}/metrics") as r:
@@ -297,7 +296,6 @@ async def test_metrics_count_the_tokens_sampled_and_name_the_server(server, run)
     assert "rlbus_inference_policy_version" in after and after["rlbus_inference_decode_steps_total"] > 0
 
 
-@pytest.mark.asyncio
 async def test_a_server_whose_engine_keeps_failing_exits_for_its_supervisor(tiny_model_dir, tmp_path, monkeypatch):
     """Each failed step is a 500 (the client retries); after three in a row the engine stops, requests get 503 with
     Retry-After, /health says engine_dead, and ``run()`` raises within a second or two, so the process exits and
