@@ -4,6 +4,7 @@ apart by process (not by name), and a holder that makes no progress lets its lea
 import asyncio
 
 import pytest
+from structlog.testing import capture_logs
 
 from bus.config import RedisConfig
 from bus.lease import Lease, LeaseLost, process_holder
@@ -30,10 +31,13 @@ async def test_a_holder_rides_out_a_redis_outage_longer_than_its_ttl(tmp_path, r
         else:
             keeper = lease.keep_in_thread(url, None, progress_timeout_s=60)
             check = keeper.check
-        server = await asyncio.to_thread(redis_outage, server, tmp_path, 3 * TTL_S)
-        await asyncio.sleep(2 * TTL_S)  # back: the holder renews (re-takes the key that expired while Redis was away)
+        with capture_logs() as logs:
+            server = await asyncio.to_thread(redis_outage, server, tmp_path, 3 * TTL_S)
+            await asyncio.sleep(2 * TTL_S)  # back: the holder renews (re-takes the key that expired meanwhile)
         check()
         assert (await bus.redis.get(lease.key)).decode() == lease.holder
+        retaken = [e for e in logs if e["event"] == "lease_retaken"]  # what an operator greps for
+        assert retaken and all((e["key"], e["holder"]) == (lease.key, lease.holder) for e in retaken), retaken
     finally:
         if renewer == "task":
             kept.cancel()

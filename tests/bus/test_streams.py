@@ -9,6 +9,7 @@ import time
 import pytest
 import redis
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from bus.arrays import packb
 from bus.commit import CommitConflict, NotOwned
@@ -63,7 +64,10 @@ async def test_malformed_entry_is_dead_lettered_and_consumer_keeps_going(bus):
         await b.publish(stream, task(0))
         bad_id = (await b.redis.xadd(stream, {"kind": "task", "v": "1", "data": b"\xc1garbage"})).decode()
         await b.publish(stream, task(2))
-        entries = await b.read_group([stream], GROUP, count=10)
+        with capture_logs() as logs:
+            entries = await b.read_group([stream], GROUP, count=10)
+        (logged,) = [e for e in logs if e["event"] == "entry_dead_lettered"]  # what an operator greps for
+        assert logged["stream"] == stream and logged["entry_id"] == bad_id and "not valid msgpack" in logged["reason"]
         assert [e.message.task_id for e in entries] == ["e:0:0", "e:0:2"]
         dead = await b.read_fanout(b.keys.dead())
         assert len(dead) == 1
@@ -275,13 +279,16 @@ async def test_keep_alive_renews_only_what_this_consumer_still_owns(bus):
         await asyncio.sleep(0.2)
         (taken,) = await b.reclaim(stream, GROUP, count=1)  # the first one goes to the other consumer
         lost = []
-        keep = asyncio.create_task(a.keep_claimed(GROUP, lambda: held, on_lost=lost.append))
-        await asyncio.sleep(0.2)
-        keep.cancel()
+        with capture_logs() as logs:
+            keep = asyncio.create_task(a.keep_claimed(GROUP, lambda: held, on_lost=lost.append))
+            await asyncio.sleep(0.2)
+            keep.cancel()
         owners = {p["message_id"].decode(): p["consumer"].decode()
                   for p in await a.redis.xpending_range(stream, GROUP, "-", "+", 10)}
         assert owners == {taken.id: "taker", held[1][1]: "slow"}  # not taken back
         assert lost and lost[0] == (stream, taken.id)
+        entry_lost = [(e["stream"], e["entry_id"]) for e in logs if e["event"] == "entry_lost"]
+        assert entry_lost and set(entry_lost) == {(stream, taken.id)}  # what an operator greps for
 
 
 async def test_keep_alive_stops_the_worker_when_redis_stays_away(bus, monkeypatch):

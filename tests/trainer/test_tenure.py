@@ -9,6 +9,7 @@ import time
 
 import pytest
 import redis
+from structlog.testing import capture_logs
 
 from bus.config import RedisConfig
 from bus.errors import ConfigError, RlbusError
@@ -156,7 +157,10 @@ async def test_a_wedged_holder_lets_its_lease_go_and_a_standby_takes_over(redis_
         assert await wedged.acquire(stop)
         await wedged.claim(0)
         standby = TrainerTenure(b, config, DistContext())
-        assert await asyncio.wait_for(standby.acquire(stop), 5)  # no check() from the wedged one meanwhile
+        with capture_logs() as logs:
+            assert await asyncio.wait_for(standby.acquire(stop), 5)  # no check() from the wedged one meanwhile
+        lapsing = [e for e in logs if e["event"] == "lease_lapsing"]  # what an operator greps for: the wedged one's
+        assert lapsing and lapsing[0]["key"] == wedged.lease.key and lapsing[0]["idle_s"] >= 0.5  # progress_timeout_s
         await standby.claim(0)
         with pytest.raises(LeaseLost, match="took over"):
             await wedged.publish([(a.keys.policy(), PolicyVersion(role="trained", step=1))], step=1)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from bus.config import RedisConfig
 from bus.keys import GROUP_PACKER
@@ -36,13 +37,16 @@ async def test_stale_groups_are_dropped_and_counted(bus, redis_url, run_name, mo
         await b.publish(stream, group(3, [0.0, 1.0], version=4))
         await b.publish(stream, group(4, [0.0, 1.0], version=4))  # left over for step 6
         worker = PackerWorker(cfg, worker="packer-0")
-        await worker.setup()
-        task = asyncio.create_task(worker.run())
-        while not await b.redis.exists(b.keys.batches(5)):
-            await asyncio.sleep(0.05)
-        worker.request_stop()
-        await asyncio.wait_for(task, 5)
-        await worker.close()
+        with capture_logs() as logs:
+            await worker.setup()
+            task = asyncio.create_task(worker.run())
+            while not await b.redis.exists(b.keys.batches(5)):
+                await asyncio.sleep(0.05)
+            worker.request_stop()
+            await asyncio.wait_for(task, 5)
+            await worker.close()
+        (dropped,) = [e for e in logs if e["event"] == "stale_groups_dropped"]  # what an operator greps for
+        assert (dropped["step"], dropped["groups"], dropped["samples"]) == (5, 1, 2)
         batches = await micro_batches(b, 5)
         versions = sorted(v for mb in batches for v in mb.policy_versions.tolist())
         assert versions == [3, 3, 4, 4]

@@ -65,10 +65,10 @@ class Stack:
         return path
 
     def spawn(self, role: str, config: Path, *args: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{role}-{len(self.procs)}.log", "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", role, "@", str(config), *args],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        with open(self.tmp / f"{role}-{len(self.procs)}.log", "w") as log:  # the child keeps its own copy
+            proc = subprocess.Popen([sys.executable, "-m", "workers.cli", role, "@", str(config), *args],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc
 
@@ -218,7 +218,8 @@ def test_kill_9_mid_group_is_redone_exactly_once(stack):
         except redis.ResponseError:
             return {}
 
-    logs = [stack.tmp / f"rollout-{len(stack.procs) - i}.log" for i in (1, 2)]
+    log_of = {c: stack.tmp / f"rollout-{len(stack.procs) - 2 + i}.log" for i, c in enumerate(("ra", "rb"))}
+    logs = list(log_of.values())
     _wait_for(lambda: all("rollout_ready" in log.read_text() for log in logs), 120, "both rollout workers to start")
     stack.publish([_task(name, i, 2) for i in range(4)])
     _wait_for(lambda: any(consumers().values()), 30, "a worker to take a task")
@@ -233,9 +234,11 @@ def test_kill_9_mid_group_is_redone_exactly_once(stack):
     assert sorted(g.task_id for g in groups) == sorted(f"{name}:0:{i}" for i in range(4))
     assert stack.redis.xpending(stream, GROUP_ROLLOUT)["pending"] == 0
     assert not [d for d in stack.dead() if d.stream == stream]
-    survivor = workers["rb" if victim == "ra" else "ra"]
-    survivor.send_signal(signal.SIGTERM)
-    assert survivor.wait(30) == 0
+    survivor = "rb" if victim == "ra" else "ra"
+    workers[survivor].send_signal(signal.SIGTERM)
+    assert workers[survivor].wait(30) == 0
+    reclaimed = [line for line in log_of[survivor].read_text().splitlines() if " task_reclaimed " in line]
+    assert reclaimed and all(f"stream={stream} " in line and "deliveries=2" in line for line in reclaimed), reclaimed
 
 
 async def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
@@ -250,16 +253,19 @@ async def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
         return [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
 
     worker = RolloutWorker(config, worker="r-timeout")
-    await worker.setup()
-    running = asyncio.create_task(worker.run())
-    deadline = time.monotonic() + 60
-    while not mine() and time.monotonic() < deadline and not running.done():
-        await asyncio.sleep(0.1)
-    worker.request_stop()
-    await running
-    await worker.close()
+    with capture_logs() as logs:
+        await worker.setup()
+        running = asyncio.create_task(worker.run())
+        deadline = time.monotonic() + 60
+        while not mine() and time.monotonic() < deadline and not running.done():
+            await asyncio.sleep(0.1)
+        worker.request_stop()
+        await running
+        await worker.close()
     (letter,) = mine()
     assert "rollout_timeout_s=0.5" in letter.reason and "after 2 attempts" in letter.reason
+    (logged,) = [e for e in logs if e["event"] == "task_dead_lettered"]  # what an operator greps for
+    assert (logged["task_id"], logged["env"], logged["reason"]) == (f"{name}:0:0", name, letter.reason)
     assert stack.groups(name) == [] and int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == before
 
 
