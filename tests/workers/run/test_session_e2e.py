@@ -47,8 +47,8 @@ def start_run(out: Path, model_dir: Path, *overrides: str, extra: tuple[str, ...
     argv = [sys.executable, "-m", "workers.cli", "run", "@", str(config), "--run.output_dir", str(out),
             "--model.path", str(model_dir), "--inference.port", str(free_port()), *overrides, *extra]
     out.mkdir(parents=True, exist_ok=True)
-    log = open(out.parent / f"{out.name}.stdout", "w")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    with open(out.parent / f"{out.name}.stdout", "w") as log:  # the child keeps its own copy
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def stdout_of(out: Path) -> str:
