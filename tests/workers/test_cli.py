@@ -102,16 +102,13 @@ async def test_inspect_tail_decodes_entries(bus, redis_url, run_name):
 
 
 def test_redis_role_runs_in_the_foreground_until_ctrl_c(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.cli", "redis", "--port", "0", "--dir", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        url = proc.stdout.readline().strip()
-        assert url.startswith("redis://127.0.0.1:")
-        assert redis.Redis.from_url(url).ping()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 0
-    finally:
-        proc.kill()
-        proc.wait()
+    with subprocess.Popen([sys.executable, "-m", "workers.cli", "redis", "--port", "0", "--dir", str(tmp_path)],
+                          stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            url = proc.stdout.readline().strip()
+            assert url.startswith("redis://127.0.0.1:")
+            assert redis.Redis.from_url(url).ping()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) == 0
+        finally:
+            proc.kill()

@@ -46,9 +46,8 @@ def server(tiny_model_dir, redis_server, run, output_dir):
     )
     proc = InferenceProcess(config, free_port(), "guard", log_path=tmp / "server.log")
     proc.env[KEY_VAR] = KEY
-    with proc.start():
+    with proc:  # starts it once (`with proc.start()` started a second server, left running unreferenced)
         yield proc
-    proc.stop()
 
 
 def _auth(key: str = KEY) -> dict[str, str]:

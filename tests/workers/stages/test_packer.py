@@ -108,23 +108,23 @@ async def test_kill_9_between_read_and_commit_then_restart(bus, redis_url, run_n
     async with bus("test") as b:
         for uid in range(1, 4):  # 6 samples: one step of 4 (two groups), one group left over
             await b.publish(b.keys.filtered(ENV), group(uid, [float(uid), 0.0]))
-    first = start_packer(cfg_file, pause_s=60)
-    try:
-        wait_for_line(first, "packer_commit_paused")
-        first.send_signal(signal.SIGKILL)
-        first.wait(10)
-    finally:
-        first.kill()
+    with start_packer(cfg_file, pause_s=60) as first:  # the with closes its stderr pipe and reaps it
+        try:
+            wait_for_line(first, "packer_commit_paused")
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+        finally:
+            first.kill()
     batches, last_step, pending_count, _ = await check()
     assert batches == [] and last_step is None and pending_count == 3  # read, nothing committed
 
-    second = start_packer(cfg_file, pause_s=None)
-    try:
-        wait_for_line(second, "batch_packed")
-        time.sleep(0.5)  # a second build of step 1 would land now
-    finally:
-        second.send_signal(signal.SIGTERM)
-        second.wait(10)
+    with start_packer(cfg_file, pause_s=None) as second:
+        try:
+            wait_for_line(second, "batch_packed")
+            time.sleep(0.5)  # a second build of step 1 would land now
+        finally:
+            second.send_signal(signal.SIGTERM)
+            second.wait(10)
     batches, last_step, pending_count, has_step_2 = await check()
     assert last_step == "1" and not has_step_2
     assert sorted(mb.index for mb in batches) == list(range(batches[0].count))  # exactly one copy of step 1
