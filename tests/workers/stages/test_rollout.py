@@ -329,6 +329,7 @@ def _wait_healthy(stack: Stack, proc: subprocess.Popen, timeout_s: float) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(220)  # 73 s measured alone on the 2-core box
 def test_an_inference_outage_holds_its_tasks_instead_of_dead_lettering_them(tmp_path, redis_server, tiny_model_dir):
     """The only inference server (reached through inference.base_urls, as an external vLLM would be) goes away for
     45 s, then comes back on the same port: every task, those running and those taken meanwhile, is held (claimed,
