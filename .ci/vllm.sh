@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 VENV=.venv-vllm
 VLLM_VERSION=0.32.0
-STAMP="$VENV/.rlbus-vllm-$VLLM_VERSION"
+STAMP="$VENV/.rlbus-vllm-$VLLM_VERSION-asyncio"  # -asyncio: venvs built before pytest-asyncio was added rebuild
 
 if [ ! -f "$STAMP" ]; then
     rm -rf "$VENV"
@@ -20,8 +20,8 @@ if [ ! -f "$STAMP" ]; then
     "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec triton
     # rlbus with its own dependencies (pip keeps vllm's torch/transformers/numpy: they satisfy rlbus's ranges),
     # plus what the test suite itself imports.
-    "$VENV/bin/pip" install -e . "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "peft>=0.13" \
-        "reasoning-gym>=0.1.20"
+    "$VENV/bin/pip" install -e . "pytest>=8" "pytest-timeout>=2.3" "pytest-asyncio>=1.0" "hypothesis>=6.100" \
+        "peft>=0.13" "reasoning-gym>=0.1.20"
     "$VENV/bin/python" -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
     touch "$STAMP"
 fi

@@ -1,12 +1,11 @@
 """Shared fixtures: one private redis-server per session, a run name per test, buses, a tiny model.
 
-Async code runs inside sync tests with ``asyncio.run(...)``; a Bus belongs to the loop it was made in::
+Tests that await are plain ``async def`` (pytest-asyncio in auto mode, one event loop per test); a Bus belongs
+to the loop it was made in::
 
-    def test_x(bus):
-        async def main():
-            async with bus("w1", claim_idle_ms=100) as b:
-                await b.publish(b.keys.metrics(), ...)
-        asyncio.run(main())
+    async def test_x(bus):
+        async with bus("w1", claim_idle_ms=100) as b:
+            await b.publish(b.keys.metrics(), ...)
 """
 
 import os

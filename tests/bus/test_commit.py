@@ -37,7 +37,6 @@ async def lossy_bus(redis_url: str, run: str, **overrides) -> AsyncIterator[tupl
         await proxy.close()
 
 
-@pytest.mark.asyncio
 async def test_a_commit_without_acks_whose_reply_was_lost_is_applied_once(redis_url, run_name):
     """As the feeder's and eval's issues: outputs and a counter, nothing acked; the re-send must not add them again."""
     async with lossy_bus(redis_url, run_name) as (b, proxy):
@@ -50,7 +49,6 @@ async def test_a_commit_without_acks_whose_reply_was_lost_is_applied_once(redis_
         assert await b.state_get("issued") == "4"
 
 
-@pytest.mark.asyncio
 async def test_a_guarded_commit_whose_reply_was_lost_is_not_refused_by_its_own_first_send(redis_url, run_name):
     """As the trainer's publish: guarded on the field it advances; the re-send finds the field advanced by itself."""
     async with lossy_bus(redis_url, run_name) as (b, proxy):
@@ -64,7 +62,6 @@ async def test_a_guarded_commit_whose_reply_was_lost_is_not_refused_by_its_own_f
         assert await b.state_get("trainer") == "me@2"
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("wait_replicas", [0, 1])
 async def test_a_commit_with_acks_whose_reply_was_lost_succeeds_once(redis_url, run_name, wait_replicas):
     """A stage's commit: the re-send returns the first send's ids instead of NotOwned (also when the commit travels

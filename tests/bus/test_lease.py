@@ -4,6 +4,7 @@ apart by process (not by name), and a holder that makes no progress lets its lea
 import asyncio
 
 import pytest
+from structlog.testing import capture_logs
 
 from bus.config import RedisConfig
 from bus.lease import Lease, LeaseLost, process_holder
@@ -14,7 +15,6 @@ from tests.outages import redis_outage
 TTL_S = 1.0
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("renewer", ["task", "thread"])
 async def test_a_holder_rides_out_a_redis_outage_longer_than_its_ttl(tmp_path, renewer):
     """The packer renews from a task, the trainer from a thread: each keeps its lease through a restart of Redis
@@ -31,10 +31,13 @@ async def test_a_holder_rides_out_a_redis_outage_longer_than_its_ttl(tmp_path, r
         else:
             keeper = lease.keep_in_thread(url, None, progress_timeout_s=60)
             check = keeper.check
-        server = await asyncio.to_thread(redis_outage, server, tmp_path, 3 * TTL_S)
-        await asyncio.sleep(2 * TTL_S)  # back: the holder renews (re-takes the key that expired while Redis was away)
+        with capture_logs() as logs:
+            server = await asyncio.to_thread(redis_outage, server, tmp_path, 3 * TTL_S)
+            await asyncio.sleep(2 * TTL_S)  # back: the holder renews (re-takes the key that expired meanwhile)
         check()
         assert (await bus.redis.get(lease.key)).decode() == lease.holder
+        retaken = [e for e in logs if e["event"] == "lease_retaken"]  # what an operator greps for
+        assert retaken and all((e["key"], e["holder"]) == (lease.key, lease.holder) for e in retaken), retaken
     finally:
         if renewer == "task":
             kept.cancel()
@@ -44,7 +47,6 @@ async def test_a_holder_rides_out_a_redis_outage_longer_than_its_ttl(tmp_path, r
         server.stop()
 
 
-@pytest.mark.asyncio
 async def test_a_holder_that_finds_the_lease_taken_while_redis_was_away_stops(bus):
     async with bus("a") as a, bus("b") as b:
         first = Lease(a, "packer", process_holder("packer"), TTL_S)
@@ -56,7 +58,6 @@ async def test_a_holder_that_finds_the_lease_taken_while_redis_was_away_stops(bu
             await asyncio.wait_for(first.keep(), 3 * TTL_S)
 
 
-@pytest.mark.asyncio
 async def test_two_holders_of_the_same_name_are_two_holders(bus):
     """Two packers started with the default consumer name: after the first stalls past its TTL the second holds the
     lease; the first, awake again, must stop (not go on beside it), and its clean stop must not end the second's."""

@@ -40,80 +40,72 @@ def cluster(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_bus_follows_a_failover_and_keeps_what_it_committed(cluster, run_name):
+async def test_a_bus_follows_a_failover_and_keeps_what_it_committed(cluster, run_name):
     cfg = RedisConfig(url=cluster.url, wait_replicas=1, reconnect_timeout_s=30)
 
-    async def main():
-        bus = await Bus.connect(cluster.url, run_name, cfg, "w1")
-        tasks, out = bus.keys.tasks("e"), bus.keys.metrics()
-        await bus.ensure_group(tasks, "g")
-        await bus.publish(tasks, Task(task_id="e:0:0", env="e", example_index=0, example_id="0", group_size=1))
-        entries = await bus.read_group([tasks], "g", count=1)
-        await bus.commit([(tasks, "g", entries[0].id)], [(out, Metric(source="t", values={"n": 1.0}))])
-        assert cluster.primary() == "a"
-        await asyncio.to_thread(cluster.kill, "a")  # the commit waited for the replica: it is there
-        await bus.publish(out, Metric(source="t", values={"n": 2.0}))  # retried until the replica is promoted
-        assert cluster.primary() == "b"
-        assert await bus.redis.xlen(out) == 2
-        assert (await bus.redis.xpending(tasks, "g"))["pending"] == 0  # the ack made it too
-        await bus.close()
-
-    asyncio.run(main())
+    bus = await Bus.connect(cluster.url, run_name, cfg, "w1")
+    tasks, out = bus.keys.tasks("e"), bus.keys.metrics()
+    await bus.ensure_group(tasks, "g")
+    await bus.publish(tasks, Task(task_id="e:0:0", env="e", example_index=0, example_id="0", group_size=1))
+    entries = await bus.read_group([tasks], "g", count=1)
+    await bus.commit([(tasks, "g", entries[0].id)], [(out, Metric(source="t", values={"n": 1.0}))])
+    assert cluster.primary() == "a"
+    await asyncio.to_thread(cluster.kill, "a")  # the commit waited for the replica: it is there
+    await bus.publish(out, Metric(source="t", values={"n": 2.0}))  # retried until the replica is promoted
+    assert cluster.primary() == "b"
+    assert await bus.redis.xlen(out) == 2
+    assert (await bus.redis.xpending(tasks, "g"))["pending"] == 0  # the ack made it too
+    await bus.close()
 
 
 @pytest.mark.timeout(120)
-def test_blocked_readers_follow_the_failover_and_never_write_into_the_old_primary_come_back_empty(cluster, run_name):
+async def test_blocked_readers_follow_the_failover_and_never_write_into_the_old_primary_come_back_empty(cluster,
+                                                                                                        run_name):
     """redis-py alone reconnects a dropped connection to the address it had: once the killed primary is back
     (empty, before the sentinels make it a replica), its readers got NOGROUP from it and its writers wrote there."""
     cfg = RedisConfig(url=cluster.url, reconnect_timeout_s=30)
 
-    async def main():
-        bus = await Bus.connect(cluster.url, run_name, cfg, "w1")
-        stream = bus.keys.tasks("e")
-        await bus.ensure_group(stream, "g")
-        failing_over = asyncio.create_task(asyncio.to_thread(cluster.fail_over))
-        ports = set()
-        while not failing_over.done():  # four readers blocked in XREADGROUP when the primary dies, and after
-            await asyncio.gather(*(bus.redis.xreadgroup("g", f"c{i}", {stream: ">"}, count=1, block=300)
-                                   for i in range(4)))
-            ports.add((await bus.redis.info("server"))["tcp_port"])
-        assert await failing_over == "b"
-        for _ in range(10):
-            await asyncio.gather(*(bus.redis.xreadgroup("g", f"c{i}", {stream: ">"}, count=1, block=100)
-                                   for i in range(4)))
-        assert (await bus.redis.info("server"))["tcp_port"] == cluster.ports["b"]
-        assert ports <= {cluster.ports["a"], cluster.ports["b"]}
-        await bus.close()
-
-    asyncio.run(main())
+    bus = await Bus.connect(cluster.url, run_name, cfg, "w1")
+    stream = bus.keys.tasks("e")
+    await bus.ensure_group(stream, "g")
+    failing_over = asyncio.create_task(asyncio.to_thread(cluster.fail_over))
+    ports = set()
+    while not failing_over.done():  # four readers blocked in XREADGROUP when the primary dies, and after
+        await asyncio.gather(*(bus.redis.xreadgroup("g", f"c{i}", {stream: ">"}, count=1, block=300)
+                               for i in range(4)))
+        ports.add((await bus.redis.info("server"))["tcp_port"])
+    assert await failing_over == "b"
+    for _ in range(10):
+        await asyncio.gather(*(bus.redis.xreadgroup("g", f"c{i}", {stream: ">"}, count=1, block=100)
+                               for i in range(4)))
+    assert (await bus.redis.info("server"))["tcp_port"] == cluster.ports["b"]
+    assert ports <= {cluster.ports["a"], cluster.ports["b"]}
+    await bus.close()
 
 
 @pytest.mark.timeout(120)
-def test_a_replicated_read_never_returns_an_entry_the_failover_takes_back(cluster, run_name):
+async def test_a_replicated_read_never_returns_an_entry_the_failover_takes_back(cluster, run_name):
     """A reader that keeps what it reads (``metrics.jsonl``) read a row the primary had not yet replicated, the
     primary died, and the promoted replica never had the row: the run's books counted a group twice. With
     ``replicated=True`` the read and its WAIT are one pipeline, retried whole on the promoted primary."""
     cfg = RedisConfig(url=cluster.url, wait_replicas=1, wait_timeout_ms=3_000, reconnect_timeout_s=30)
 
-    async def main():
-        bus = await Bus.connect(cluster.url, run_name, cfg, "reader")
-        out = bus.keys.metrics()
-        kept = await bus.publish(out, Metric(source="t", values={"n": 1.0}))
-        replica = cluster.procs["b"]
-        replica.send_signal(signal.SIGSTOP)  # the replica can neither read its link nor reconnect
-        try:
-            primary = cluster.client("a")
-            primary.client_kill_filter(_type="replica")  # so nothing written from here on reaches it
-            primary.xadd(out, Metric(source="t", values={"n": 2.0}).to_fields())
-            reading = asyncio.create_task(bus.read_fanout(out, "0", count=10, replicated=True))
-            await asyncio.sleep(1.0)
-            assert not reading.done()  # waiting for the replica to hold what it read
-            await asyncio.to_thread(cluster.kill, "a")
-        finally:
-            replica.send_signal(signal.SIGCONT)
-        rows = await asyncio.wait_for(reading, 60)
-        assert cluster.primary() == "b"
-        assert [entry_id for entry_id, _ in rows] == [kept]
-        await bus.close()
-
-    asyncio.run(main())
+    bus = await Bus.connect(cluster.url, run_name, cfg, "reader")
+    out = bus.keys.metrics()
+    kept = await bus.publish(out, Metric(source="t", values={"n": 1.0}))
+    replica = cluster.procs["b"]
+    replica.send_signal(signal.SIGSTOP)  # the replica can neither read its link nor reconnect
+    try:
+        primary = cluster.client("a")
+        primary.client_kill_filter(_type="replica")  # so nothing written from here on reaches it
+        primary.xadd(out, Metric(source="t", values={"n": 2.0}).to_fields())
+        reading = asyncio.create_task(bus.read_fanout(out, "0", count=10, replicated=True))
+        await asyncio.sleep(1.0)
+        assert not reading.done()  # waiting for the replica to hold what it read
+        await asyncio.to_thread(cluster.kill, "a")
+    finally:
+        replica.send_signal(signal.SIGCONT)
+    rows = await asyncio.wait_for(reading, 60)
+    assert cluster.primary() == "b"
+    assert [entry_id for entry_id, _ in rows] == [kept]
+    await bus.close()

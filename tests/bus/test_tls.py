@@ -1,6 +1,5 @@
 """``rediss://``: a worker's Bus over TLS to a real redis-server that speaks only TLS, verified against its CA."""
 
-import asyncio
 import shutil
 import subprocess
 import time
@@ -38,25 +37,23 @@ def tls_redis(tmp_path):
     proc.wait(timeout=10)
 
 
-def test_a_bus_speaks_tls_to_a_rediss_url_and_refuses_an_unknown_certificate(tls_redis, tmp_path, run_name):
+async def test_a_bus_speaks_tls_to_a_rediss_url_and_refuses_an_unknown_certificate(tls_redis, tmp_path,
+                                                                                   run_name):
     port, ca = tls_redis
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}&ssl_cert_reqs=required"
 
-    async def main():
-        b = await Bus.connect(url, run_name, RedisConfig(url=url), "w1")
-        try:
-            stream = b.keys.tasks("e")
-            await b.publish(stream, Task(task_id="e:0:0", env="e", example_index=0, example_id="0", group_size=2))
-            (entry,) = await b.read_group([stream], "rollout")
-            await b.commit([(stream, "rollout", entry.id)], [])
-            assert (await b.redis.xpending(stream, "rollout"))["pending"] == 0
-        finally:
-            await b.close()
-        other_ca = tmp_path / "other.pem"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", tmp_path / "o.key",
-                        "-out", other_ca, "-days", "1", "-subj", "/CN=other"], check=True, capture_output=True)
-        wrong = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={other_ca}&ssl_cert_reqs=required"
-        with pytest.raises(RlbusError, match="cannot reach Redis at rediss://127.0.0.1"):
-            await Bus.connect(wrong, run_name, RedisConfig(url=wrong, reconnect_timeout_s=0), "w1")
-
-    asyncio.run(main())
+    b = await Bus.connect(url, run_name, RedisConfig(url=url), "w1")
+    try:
+        stream = b.keys.tasks("e")
+        await b.publish(stream, Task(task_id="e:0:0", env="e", example_index=0, example_id="0", group_size=2))
+        (entry,) = await b.read_group([stream], "rollout")
+        await b.commit([(stream, "rollout", entry.id)], [])
+        assert (await b.redis.xpending(stream, "rollout"))["pending"] == 0
+    finally:
+        await b.close()
+    other_ca = tmp_path / "other.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", tmp_path / "o.key",
+                    "-out", other_ca, "-days", "1", "-subj", "/CN=other"], check=True, capture_output=True)
+    wrong = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={other_ca}&ssl_cert_reqs=required"
+    with pytest.raises(RlbusError, match="cannot reach Redis at rediss://127.0.0.1"):
+        await Bus.connect(wrong, run_name, RedisConfig(url=wrong, reconnect_timeout_s=0), "w1")

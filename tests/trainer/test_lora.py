@@ -1,7 +1,6 @@
 """LoRA (``[model.lora]``): the trainer trains, checkpoints and publishes only the adapter; the built-in server
 applies each version's adapter and serves what the trainer computes."""
 
-import asyncio
 
 import torch
 
@@ -20,7 +19,8 @@ torch.set_num_threads(1)
 SERVER = "lora-s1"
 
 
-def test_lora_trains_publishes_and_serves_only_the_adapter(tiny_model_dir, redis_url, bus, run_name, tmp_path):
+async def test_lora_trains_publishes_and_serves_only_the_adapter(tiny_model_dir, redis_url, bus, run_name,
+                                                                 tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
@@ -35,32 +35,19 @@ def test_lora_trains_publishes_and_serves_only_the_adapter(tiny_model_dir, redis
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     prompt, greedy_prompt = [104, 101, 108, 108, 111], [114, 101, 118]
     with InferenceProcess(cfg_path, free_port(), SERVER, log_path=tmp_path / "server.log") as server:
-
-        async def sample():
-            async with InferenceClient([server.base_url]) as client:
-                return await client.completions(prompt, n=4, temperature=0.8, max_tokens=16, seed=0)
-
-        result = asyncio.run(sample())
-
-        async def publish():
-            async with bus("packer") as b:
-                await b.publish(b.keys.batches(1), batch_from(prompt, result, 0.8))
-
-        asyncio.run(publish())
+        async with InferenceClient([server.base_url]) as client:
+            result = await client.completions(prompt, n=4, temperature=0.8, max_tokens=16, seed=0)
+        async with bus("packer") as b:
+            await b.publish(b.keys.batches(1), batch_from(prompt, result, 0.8))
         trainer = TrainerWorker(config)
-        asyncio.run(run_worker(trainer))
-
-        async def after_training():
-            async with bus("reader") as b:
-                metrics = [m for _, m in await b.read_fanout(b.keys.metrics(), "0") if isinstance(m, Metric)]
-                events = [e for _, e in await b.read_fanout(b.keys.weights(), "0") if isinstance(e, WeightUpdate)]
-                await PolicyTracker(b).wait(lambda t: t.served_by.get(SERVER) == 1, timeout_s=60)
-            async with InferenceClient([server.base_url]) as client:
-                greedy = await client.completions(greedy_prompt, n=1, temperature=0.0, max_tokens=12,
-                                                  extra_body={"ignore_eos": True})
-            return metrics, events, greedy
-
-        metrics, events, greedy = asyncio.run(after_training())
+        await run_worker(trainer)
+        async with bus("reader") as b:
+            metrics = [m for _, m in await b.read_fanout(b.keys.metrics(), "0") if isinstance(m, Metric)]
+            events = [e for _, e in await b.read_fanout(b.keys.weights(), "0") if isinstance(e, WeightUpdate)]
+            await PolicyTracker(b).wait(lambda t: t.served_by.get(SERVER) == 1, timeout_s=60)
+        async with InferenceClient([server.base_url]) as client:
+            greedy = await client.completions(greedy_prompt, n=1, temperature=0.0, max_tokens=12,
+                                              extra_body={"ignore_eos": True})
 
     assert metrics[0].values["mismatch_kl"] < 1e-4  # the adapter starts at zero: version 0 is the base model
     # Only the adapter trained: every base tensor is as loaded, and the adapter moved.

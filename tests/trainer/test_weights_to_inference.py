@@ -1,6 +1,5 @@
 """Trainer and the built-in inference server together: on-policy logprobs agree, new weights get served."""
 
-import asyncio
 
 import numpy as np
 import torch
@@ -36,7 +35,7 @@ def batch_from(prompt: list[int], result, temperature: float) -> MicroBatch:
                       rewards=np.zeros(len(lengths), np.float32))
 
 
-def test_on_policy_kl_and_new_weights_reach_the_server(tiny_model_dir, redis_url, bus, run_name, tmp_path):
+async def test_on_policy_kl_and_new_weights_reach_the_server(tiny_model_dir, redis_url, bus, run_name, tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg_path = tmp_path / "cfg.toml"
@@ -51,33 +50,20 @@ def test_on_policy_kl_and_new_weights_reach_the_server(tiny_model_dir, redis_url
     prompt = [104, 101, 108, 108, 111]
     greedy_prompt = [114, 101, 118]
     with InferenceProcess(cfg_path, free_port(), SERVER, log_path=tmp_path / "server.log") as server:
-
-        async def sample():
-            async with InferenceClient([server.base_url]) as client:
-                before = await client.completions(greedy_prompt, n=1, temperature=0.0, max_tokens=12,
-                                                  extra_body={"ignore_eos": True})
-                return before, await client.completions(prompt, n=4, temperature=0.8, max_tokens=16, seed=0)
-
-        greedy_before, result = asyncio.run(sample())
+        async with InferenceClient([server.base_url]) as client:
+            greedy_before = await client.completions(greedy_prompt, n=1, temperature=0.0, max_tokens=12,
+                                                     extra_body={"ignore_eos": True})
+            result = await client.completions(prompt, n=4, temperature=0.8, max_tokens=16, seed=0)
         assert result.policy_version == 0
-
-        async def publish():
-            async with bus("packer") as b:
-                await b.publish(b.keys.batches(1), batch_from(prompt, result, 0.8))
-
-        asyncio.run(publish())
-        asyncio.run(run_worker(TrainerWorker(config)))
-
-        async def after_training():
-            async with bus("reader") as b:
-                metrics = [m for _, m in await b.read_fanout(b.keys.metrics(), "0") if isinstance(m, Metric)]
-                await PolicyTracker(b).wait(lambda t: t.served_by.get(SERVER) == 1, timeout_s=60)
-            async with InferenceClient([server.base_url]) as client:
-                greedy = await client.completions(greedy_prompt, n=1, temperature=0.0, max_tokens=12,
-                                                  extra_body={"ignore_eos": True})
-            return metrics, greedy
-
-        metrics, greedy = asyncio.run(after_training())
+        async with bus("packer") as b:
+            await b.publish(b.keys.batches(1), batch_from(prompt, result, 0.8))
+        await run_worker(TrainerWorker(config))
+        async with bus("reader") as b:
+            metrics = [m for _, m in await b.read_fanout(b.keys.metrics(), "0") if isinstance(m, Metric)]
+            await PolicyTracker(b).wait(lambda t: t.served_by.get(SERVER) == 1, timeout_s=60)
+        async with InferenceClient([server.base_url]) as client:
+            greedy = await client.completions(greedy_prompt, n=1, temperature=0.0, max_tokens=12,
+                                              extra_body={"ignore_eos": True})
     values = metrics[0].values
     assert values["mismatch_kl"] < 1e-4, values
     assert values["grad_norm"] > 0

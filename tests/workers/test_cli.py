@@ -1,6 +1,5 @@
 """The `rlbus` command: role list, lazy imports, `inspect` against a live server, `redis` in the foreground."""
 
-import asyncio
 import json
 import signal
 import subprocess
@@ -78,23 +77,20 @@ def test_role_gets_config_and_undotted_options(monkeypatch):
     assert seen["config"] is None and seen["argv"] == ["--run", "x"]
 
 
-def fill_run(bus):
-    async def main():
-        async with bus("w1") as b:
-            stream = b.keys.tasks("e")
-            await b.publish_many(
-                stream, [Task(task_id=f"e:0:{i}", env="e", example_index=i, example_id=str(i), group_size=2) for i in range(5)]
-            )
-            await b.read_group([stream], "rollout", count=2)
-            await b.redis.xadd(stream, {"kind": "task", "v": "1", "data": b"junk"})
-            await b.publish(b.keys.metrics(), Metric(source="trainer", step=1, values={"loss": 0.5}))
-            await b.state_set(inflight=4)
-
-    asyncio.run(main())
+async def fill_run(bus):
+    async with bus("w1") as b:
+        stream = b.keys.tasks("e")
+        await b.publish_many(
+            stream, [Task(task_id=f"e:0:{i}", env="e", example_index=i, example_id=str(i), group_size=2) for i in range(5)]
+        )
+        await b.read_group([stream], "rollout", count=2)
+        await b.redis.xadd(stream, {"kind": "task", "v": "1", "data": b"junk"})
+        await b.publish(b.keys.metrics(), Metric(source="trainer", step=1, values={"loss": 0.5}))
+        await b.state_set(inflight=4)
 
 
-def test_inspect_json_against_a_live_server(bus, redis_url, run_name):
-    fill_run(bus)
+async def test_inspect_json_against_a_live_server(bus, redis_url, run_name):
+    await fill_run(bus)
     done = rlbus("inspect", "--run", run_name, "--redis-url", redis_url, "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -112,8 +108,8 @@ def test_inspect_json_against_a_live_server(bus, redis_url, run_name):
     assert table.returncode == 0 and "tasks:e" in table.stdout and "rollout" in table.stdout
 
 
-def test_inspect_tail_decodes_entries(bus, redis_url, run_name):
-    fill_run(bus)
+async def test_inspect_tail_decodes_entries(bus, redis_url, run_name):
+    await fill_run(bus)
     done = rlbus("inspect", "--run", run_name, "--redis-url", redis_url, "--json", "--tail", "2", "--stream", "tasks:e")
     assert done.returncode == 0, done.stderr
     first, last = json.loads(done.stdout)["entries"]
@@ -124,16 +120,13 @@ def test_inspect_tail_decodes_entries(bus, redis_url, run_name):
 
 
 def test_redis_role_runs_in_the_foreground_until_ctrl_c(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.cli", "redis", "--port", "0", "--dir", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        url = proc.stdout.readline().strip()
-        assert url.startswith("redis://127.0.0.1:")
-        assert redis.Redis.from_url(url).ping()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 0
-    finally:
-        proc.kill()
-        proc.wait()
+    with subprocess.Popen([sys.executable, "-m", "workers.cli", "redis", "--port", "0", "--dir", str(tmp_path)],
+                          stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            url = proc.stdout.readline().strip()
+            assert url.startswith("redis://127.0.0.1:")
+            assert redis.Redis.from_url(url).ping()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) == 0
+        finally:
+            proc.kill()

@@ -1,7 +1,6 @@
 """The seeds' config semantics: defaults per filter slot, field-by-field inheritance of per-env settings,
 group-level defaults, eval knobs that defer to the server, validators, aliases, bench mode."""
 
-import asyncio
 import warnings
 
 import pytest
@@ -103,7 +102,7 @@ num_examples = 3
     assert [(e.group_size, e.mode) for e in load_config(files, flags).env] == [(2, "rl")]
 
 
-def test_eval_sampling_defers_to_the_server_unless_set():
+async def test_eval_sampling_defers_to_the_server_unless_set():
     config = load_config([], [("eval.env.0.id", "echo_chars")])
     sampling = config.eval_sampling(config.eval.env[0])
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (None, None, None, None)
@@ -120,8 +119,8 @@ def test_eval_sampling_defers_to_the_server_unless_set():
 
     client.post, client._model_name = post, model_name
     with pytest.raises(LookupError):
-        asyncio.run(client.completions([1, 2], temperature=sampling.temperature, top_p=sampling.top_p,
-                                       max_tokens=5, reasoning_effort="low"))
+        await client.completions([1, 2], temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=5,
+                                 reasoning_effort="low")
     assert {"temperature", "top_p", "top_k", "min_p"}.isdisjoint(sent[0]) and sent[0]["reasoning_effort"] == "low"
     with pytest.raises(ConfigError, match="reasoning_effort"):
         load_config([], [("eval.sampling.reasoning_effort", "extreme")])

@@ -63,7 +63,6 @@ async def play(handle: OpenEnvHandle, index: int, guesses: list[str]) -> tuple[l
     return messages, await handle.score(index, messages, state), turns
 
 
-@pytest.mark.asyncio
 @pytest.mark.timeout(240)
 async def test_episodes_are_multi_turn_seeded_and_rewarded_by_the_env():
     handle = await OpenEnvHandle.start(hotcold(), timeout_s=60)

@@ -24,7 +24,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_every_method_of_every_builtin_answers():
+async def test_every_method_of_every_builtin_answers():
     async def one(env_id: str) -> None:
         handle = await EnvHandle.start(EnvConfig(id=env_id, name=f"my_{env_id}", max_turns=3), timeout_s=10)
         try:
@@ -46,27 +46,21 @@ def test_every_method_of_every_builtin_answers():
             await handle.close()
         assert _gone(pid)
 
-    async def main():
-        await asyncio.gather(*(one(env_id) for env_id in SELF_CONTAINED))
-
-    asyncio.run(main())
+    await asyncio.gather(*(one(env_id) for env_id in SELF_CONTAINED))
 
 
-def test_killed_server_is_restarted_and_the_call_retried():
-    async def main():
-        handle = await EnvHandle.start(EnvConfig(id="reverse_text", args={"num_examples": 20}), timeout_s=10)
-        try:
-            expected = await handle.example(index=3)
-            first_pid = handle.pid
-            os.kill(first_pid, signal.SIGKILL)
-            # Concurrent calls after the crash: one restart, every call answered.
-            results = await asyncio.gather(*(handle.example(index=3) for _ in range(5)))
-            assert results == [expected] * 5
-            assert handle.restarts == 1 and handle.pid != first_pid
-        finally:
-            await handle.close()
-
-    asyncio.run(main())
+async def test_killed_server_is_restarted_and_the_call_retried():
+    handle = await EnvHandle.start(EnvConfig(id="reverse_text", args={"num_examples": 20}), timeout_s=10)
+    try:
+        expected = await handle.example(index=3)
+        first_pid = handle.pid
+        os.kill(first_pid, signal.SIGKILL)
+        # Concurrent calls after the crash: one restart, every call answered.
+        results = await asyncio.gather(*(handle.example(index=3) for _ in range(5)))
+        assert results == [expected] * 5
+        assert handle.restarts == 1 and handle.pid != first_pid
+    finally:
+        await handle.close()
 
 
 CRASHY = '''
@@ -86,54 +80,45 @@ def make(marker):
 '''
 
 
-def test_server_dying_mid_call_is_restarted_and_the_call_retried(tmp_path, monkeypatch):
+async def test_server_dying_mid_call_is_restarted_and_the_call_retried(tmp_path, monkeypatch):
     (tmp_path / "crashy_env.py").write_text(CRASHY)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     marker = tmp_path / "crashed"
 
-    async def main():
-        config = EnvConfig(id="crashy_env:make", args={"marker": str(marker)})
-        handle = await EnvHandle.start(config, timeout_s=30)
-        try:
-            start = time.monotonic()
-            assert (await handle.score(index=0, messages=[], state={}))["reward"] == 0.5
-            assert time.monotonic() - start < 20  # noticed the exit, did not wait out the 30 s timeout
-            assert marker.exists() and handle.restarts == 1
-        finally:
-            await handle.close()
-
-    asyncio.run(main())
-
-
-def test_dead_external_address_fails_within_its_timeout():
-    async def main():
-        config = EnvConfig(id="reverse_text", address="tcp://127.0.0.1:1")
+    config = EnvConfig(id="crashy_env:make", args={"marker": str(marker)})
+    handle = await EnvHandle.start(config, timeout_s=30)
+    try:
         start = time.monotonic()
-        with pytest.raises(RpcTimeoutError, match=r"tcp://127\.0\.0\.1:1 to 'info' within 0\.5s"):
-            await EnvHandle.start(config, timeout_s=0.5)
-        assert time.monotonic() - start < 2.0
-
-    asyncio.run(main())
-
-
-def test_failing_env_factory_reports_instead_of_hanging():
-    async def main():
-        start = time.monotonic()
-        with pytest.raises(RpcError, match="exited before answering"):
-            await EnvHandle.start(EnvConfig(id="echo_chars", args={"bogus": 1}), timeout_s=5)
-        assert time.monotonic() - start < 30
-
-    asyncio.run(main())
+        assert (await handle.score(index=0, messages=[], state={}))["reward"] == 0.5
+        assert time.monotonic() - start < 20  # noticed the exit, did not wait out the 30 s timeout
+        assert marker.exists() and handle.restarts == 1
+    finally:
+        await handle.close()
 
 
-def test_cli_serves_a_config_env_and_external_handle_uses_it(tmp_path):
+async def test_dead_external_address_fails_within_its_timeout():
+    config = EnvConfig(id="reverse_text", address="tcp://127.0.0.1:1")
+    start = time.monotonic()
+    with pytest.raises(RpcTimeoutError, match=r"tcp://127\.0\.0\.1:1 to 'info' within 0\.5s"):
+        await EnvHandle.start(config, timeout_s=0.5)
+    assert time.monotonic() - start < 2.0
+
+
+async def test_failing_env_factory_reports_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(RpcError, match="exited before answering"):
+        await EnvHandle.start(EnvConfig(id="echo_chars", args={"bogus": 1}), timeout_s=5)
+    assert time.monotonic() - start < 30
+
+
+async def test_cli_serves_a_config_env_and_external_handle_uses_it(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('[[env]]\nid = "guess_number"\nname = "guess"\nargs = {high = 10, num_examples = 7}\n')
     address = f"ipc://{tmp_path}/guess.sock"
     process = subprocess.Popen([sys.executable, "-m", "workers.cli", "env", "@", str(config), "--name", "guess",
                                 "--bind", address])
 
-    async def main():
+    try:
         handle = await EnvHandle.start(EnvConfig(id="guess_number", address=address), timeout_s=30)
         try:
             info = await handle.info()
@@ -145,15 +130,11 @@ def test_cli_serves_a_config_env_and_external_handle_uses_it(tmp_path):
         assert process.poll() is None  # an external server is not ours to stop
         async with RpcClient(address, timeout_s=5) as client:
             assert (await client.call("info"))["size"] == 7
-
-    try:
-        asyncio.run(main())
     finally:
         process.terminate()
         assert process.wait(timeout=10) == 0
 
 
-@pytest.mark.asyncio
 async def test_a_hung_call_is_bounded_its_server_replaced_and_its_neighbours_answered():
     """User code that never returns: the call fails within the handle's timeout (CallTimeout, not a silent wait),
     the call batched with it is answered, and the server is replaced so later calls go on."""
@@ -173,7 +154,6 @@ async def test_a_hung_call_is_bounded_its_server_replaced_and_its_neighbours_ans
         await handle.close()
 
 
-@pytest.mark.asyncio
 async def test_a_spawned_servers_args_stay_out_of_its_command_line():
     """Env args may hold secrets (API keys of a remote env): `ps` on the host must not show them."""
     handle = await EnvHandle.start(EnvConfig(id="reverse_text", args={"num_examples": 7}), timeout_s=10)

@@ -103,7 +103,6 @@ def test_rlbus_and_its_own_envs_do_not_import_verifiers():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
 
 
-@pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_spawned_server_episodes_become_token_exact_samples(server, tiny_model_dir):
     from transformers import AutoTokenizer
@@ -133,7 +132,6 @@ async def test_spawned_server_episodes_become_token_exact_samples(server, tiny_m
         await client.close()
 
 
-@pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_multi_turn_env_replies_are_never_trained_and_every_model_turn_is_once(server, tiny_model_dir):
     vf_runner, client = runner(server, tiny_model_dir)
@@ -151,7 +149,6 @@ async def test_multi_turn_env_replies_are_never_trained_and_every_model_turn_is_
         await client.close()
 
 
-@pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_an_env_server_killed_mid_run_fails_the_run_at_once_and_is_restarted(server, tiny_model_dir):
     vf_runner, client = runner(server, tiny_model_dir)
@@ -172,7 +169,6 @@ async def test_an_env_server_killed_mid_run_fails_the_run_at_once_and_is_restart
         await client.close()
 
 
-@pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_an_external_server_at_an_address(server, tiny_model_dir):
     address = f"tcp://127.0.0.1:{free_port()}"

@@ -6,6 +6,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import nullcontext
 from pathlib import Path
 
 
@@ -25,8 +26,8 @@ class InferenceProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 120.0) -> "InferenceProcess":
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        with open(self.log_path, "ab") if self.log_path else nullcontext(subprocess.DEVNULL) as out:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

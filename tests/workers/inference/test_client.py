@@ -1,6 +1,5 @@
 """The inference client: retries, round robin, headers, vLLM-shaped responses."""
 
-import asyncio
 
 import pytest
 
@@ -8,15 +7,11 @@ from bus.local_redis import free_port
 from workers.inference.client import InferenceClient, InferenceUnavailableError, _headers, _parse_completion
 
 
-def test_client_retries_then_names_the_servers():
+async def test_client_retries_then_names_the_servers():
     urls = [f"http://127.0.0.1:{free_port()}/v1"]
-
-    async def go():
+    with pytest.raises(InferenceUnavailableError, match="127.0.0.1"):
         async with InferenceClient(urls, timeout_s=2, max_retries=2, backoff_s=0.01) as client:
             await client.completions([1, 2, 3], max_tokens=2)
-
-    with pytest.raises(InferenceUnavailableError, match="127.0.0.1"):
-        asyncio.run(go())
 
 
 def test_client_round_robin_and_headers(monkeypatch):

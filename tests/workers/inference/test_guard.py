@@ -46,9 +46,8 @@ def server(tiny_model_dir, redis_server, run, output_dir):
     )
     proc = InferenceProcess(config, free_port(), "guard", log_path=tmp / "server.log")
     proc.env[KEY_VAR] = KEY
-    with proc.start():
+    with proc:  # starts it once (`with proc.start()` started a second server, left running unreferenced)
         yield proc
-    proc.stop()
 
 
 def _auth(key: str = KEY) -> dict[str, str]:
@@ -60,7 +59,6 @@ async def _health(http: aiohttp.ClientSession, server) -> dict:
         return await r.json()
 
 
-@pytest.mark.asyncio
 async def test_v1_routes_need_the_api_key_and_health_stays_open(server, monkeypatch):
     """vLLM's ``--api-key`` convention: ``Authorization: Bearer KEY`` on /v1, else 401; /health stays open for the
     supervisors that probe it. The rollout client sends the key from ``inference.api_key_var``."""
@@ -92,7 +90,6 @@ async def _wait_health(http, server, predicate, timeout_s: float) -> dict:
         await asyncio.sleep(0.1)
 
 
-@pytest.mark.asyncio
 async def test_a_client_that_disconnects_frees_its_rows(server):
     """A non-streamed request whose client goes away stops decoding within a step or two (it used to decode to
     max_tokens, holding its rows)."""
@@ -110,7 +107,6 @@ async def test_a_client_that_disconnects_frees_its_rows(server):
         assert health["generated_tokens"] == tokens and health["counts"]["requests_disconnected"] >= 1
 
 
-@pytest.mark.asyncio
 async def test_a_full_queue_is_answered_429_with_retry_after(server):
     """Two rows decode (max_batch_size 2) and four wait (max_queued_sequences 4): the next request is refused with
     429 and Retry-After until room frees; one that could never fit is a 400."""
@@ -138,7 +134,6 @@ async def test_a_full_queue_is_answered_429_with_retry_after(server):
             assert r.status == 200
 
 
-@pytest.mark.asyncio
 async def test_refusals_are_counted_in_the_metrics_stream(server, redis_server, run):
     """Bad requests, 401s and 429s show up as ``inference/*`` values of a ``Metric(source="inference")`` entry."""
     async with aiohttp.ClientSession(headers=_auth()) as http:
@@ -159,7 +154,6 @@ async def test_refusals_are_counted_in_the_metrics_stream(server, redis_server, 
     assert totals.get("inference/rejected_unauthorized", 0) >= 1
 
 
-@pytest.mark.asyncio
 async def test_weights_that_fail_to_load_leave_the_last_good_ones_serving(server, output_dir, bus, run):
     """A folder whose shard is garbage but whose event carries that garbage's sha256 (what re-publishing a damaged
     folder used to do) made the loader's error kill the server. Now the update is skipped (logged, counted) and the

@@ -50,12 +50,9 @@ def model_and_tokenizer(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def _post(server, path, body):
-    async def go():
-        async with aiohttp.ClientSession() as s, s.post(server.base_url + path, json=body) as r:
-            return r.status, await r.json()
-
-    return asyncio.run(go())
+async def _post(server, path, body):
+    async with aiohttp.ClientSession() as s, s.post(server.base_url + path, json=body) as r:
+        return r.status, await r.json()
 
 
 def _forward_logprobs(model, ids: list[int], temperature: float) -> torch.Tensor:
@@ -65,16 +62,13 @@ def _forward_logprobs(model, ids: list[int], temperature: float) -> torch.Tensor
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
-def test_logprobs_are_log_softmax_at_the_temperature(server, model_and_tokenizer, temperature):
+async def test_logprobs_are_log_softmax_at_the_temperature(server, model_and_tokenizer, temperature):
     model, tok = model_and_tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "abc"}], tokenize=True,
                                      add_generation_prompt=True, return_dict=False)
 
-    async def go():
-        async with InferenceClient([server.base_url]) as client:
-            return await client.completions(prompt, n=3, temperature=temperature, max_tokens=24, prompt_logprobs=True)
-
-    result = asyncio.run(go())
+    async with InferenceClient([server.base_url]) as client:
+        result = await client.completions(prompt, n=3, temperature=temperature, max_tokens=24, prompt_logprobs=True)
     assert result.prompt_token_ids == prompt and result.policy_version == 0
     for choice in result.choices:
         full = prompt + choice.token_ids
@@ -89,10 +83,10 @@ def test_logprobs_are_log_softmax_at_the_temperature(server, model_and_tokenizer
     assert torch.allclose(torch.tensor(result.prompt_logprobs[1:]), expected_prompt, atol=1e-4)
 
 
-def test_token_ids_round_trip_through_the_tokenizer(server, model_and_tokenizer):
+async def test_token_ids_round_trip_through_the_tokenizer(server, model_and_tokenizer):
     _, tok = model_and_tokenizer
     text = "héllo, wörld ✓"
-    status, body = _post(server, "/completions", {"prompt": text, "max_tokens": 16, "return_token_ids": True,
+    status, body = await _post(server, "/completions", {"prompt": text, "max_tokens": 16, "return_token_ids": True,
                                                     "temperature": 0.0, "stop_token_ids": []})
     assert status == 200
     choice = body["choices"][0]
@@ -102,10 +96,10 @@ def test_token_ids_round_trip_through_the_tokenizer(server, model_and_tokenizer)
     assert body["usage"]["completion_tokens"] == len(choice["token_ids"])
 
 
-def test_chat_completion_fields_like_vllm(server, model_and_tokenizer):
+async def test_chat_completion_fields_like_vllm(server, model_and_tokenizer):
     _, tok = model_and_tokenizer
     messages = [{"role": "user", "content": "hi"}]
-    status, body = _post(server, "/chat/completions", {
+    status, body = await _post(server, "/chat/completions", {
         "messages": messages, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2,
         "return_token_ids": True, "n": 2, "seed": 7, "ignore_eos": True,
     })
@@ -116,15 +110,15 @@ def test_chat_completion_fields_like_vllm(server, model_and_tokenizer):
         assert len(choice["token_ids"]) == 5 and choice["finish_reason"] == "length"
         content = choice["logprobs"]["content"]
         assert len(content) == 5 and all(len(c["top_logprobs"]) == 2 for c in content)
-    _, again = _post(server, "/chat/completions", {"messages": messages, "max_completion_tokens": 5, "n": 2,
+    _, again = await _post(server, "/chat/completions", {"messages": messages, "max_completion_tokens": 5, "n": 2,
                                                    "seed": 7, "ignore_eos": True, "return_token_ids": True})
     assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in body["choices"]]
 
 
-def test_bad_requests_get_400_with_the_reason(server):
-    status, body = _post(server, "/completions", {"prompt": [1] * 600, "max_tokens": 4})
+async def test_bad_requests_get_400_with_the_reason(server):
+    status, body = await _post(server, "/completions", {"prompt": [1] * 600, "max_tokens": 4})
     assert status == 400 and "max_model_len=512" in body["error"]["message"]
-    status, body = _post(server, "/completions", {"prompt": "x", "temperature": -1})
+    status, body = await _post(server, "/completions", {"prompt": "x", "temperature": -1})
     assert status == 400 and "temperature" in body["error"]["message"] and body["policy_version"] == 0
 
 
@@ -144,30 +138,30 @@ BAD_PARAMETERS = [
 
 
 @pytest.mark.parametrize(("fields", "param"), BAD_PARAMETERS, ids=[str(f) for f, _ in BAD_PARAMETERS])
-def test_every_sampling_parameter_out_of_range_is_a_400_that_names_it(server, fields, param):
+async def test_every_sampling_parameter_out_of_range_is_a_400_that_names_it(server, fields, param):
     """Each used to crash the engine (logprobs, prompt_logprobs, seed, stop), pass silently (NaN temperature, 2.5
     choices) or give a 500; now a 400 whose message and ``param`` name the field, and the server goes on serving."""
-    status, body = _post(server, "/completions", {"prompt": [65, 66], "max_tokens": 4, **fields})
+    status, body = await _post(server, "/completions", {"prompt": [65, 66], "max_tokens": 4, **fields})
     assert status == 400, body
     assert body["error"]["param"] == param and param in body["error"]["message"]
-    status, body = _post(server, "/completions", {"prompt": [65, 66], "max_tokens": 2})
+    status, body = await _post(server, "/completions", {"prompt": [65, 66], "max_tokens": 2})
     assert status == 200 and len(body["choices"]) == 1
 
 
-def test_chat_top_logprobs_out_of_range_is_a_400(server):
-    status, body = _post(server, "/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+async def test_chat_top_logprobs_out_of_range_is_a_400(server):
+    status, body = await _post(server, "/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                                        "logprobs": True, "top_logprobs": 10**6, "max_tokens": 2})
     assert status == 400 and body["error"]["param"] == "top_logprobs"
 
 
-def test_stop_strings_end_the_completion(server):
-    status, body = _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0,
+async def test_stop_strings_end_the_completion(server):
+    status, body = await _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0,
                                                     "seed": 3, "return_token_ids": True, "ignore_eos": True})
     text = body["choices"][0]["text"]
     stop = next((ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd"), None)
     if stop is None:
         pytest.skip("sampled text has no printable character to stop on")
-    status, body = _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0, "seed": 3,
+    status, body = await _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0, "seed": 3,
                                                     "return_token_ids": True, "ignore_eos": True, "stop": [stop]})
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
@@ -215,27 +209,25 @@ def test_the_openai_client_streams_chat(server):
         client.chat.completions.create(**ask, stream=True, logprobs=True)
 
 
-def test_concurrent_requests_are_batched(server):
+async def test_concurrent_requests_are_batched(server):
     """Ten concurrent requests of 96 tokens share decode steps: the engine takes under a third of the ~950 steps it
     takes for them one after another (counted by the server, so a pause in this process cannot tip it)."""
     body = {"max_tokens": 96, "ignore_eos": True, "temperature": 1.0}
 
-    async def go():
-        async with InferenceClient([server.base_url]) as client, aiohttp.ClientSession() as http:
-            await client.completions([65, 66], max_tokens=4)  # warm up (model name, connection)
-            async with http.get(f"http://127.0.0.1:{server.port}/health") as r:
-                before = await r.json()
-            results = await asyncio.gather(*(client.completions([65 + i, 66], extra_body=body) for i in range(10)))
-            async with http.get(f"http://127.0.0.1:{server.port}/health") as r:
-                after = await r.json()
-            assert all(len(r.choices[0].token_ids) == 96 for r in results)
-            return after["steps"] - before["steps"], after["generated_tokens"] - before["generated_tokens"]
-
-    steps, tokens = asyncio.run(go())
+    async with InferenceClient([server.base_url]) as client, aiohttp.ClientSession() as http:
+        await client.completions([65, 66], max_tokens=4)  # warm up (model name, connection)
+        async with http.get(f"http://127.0.0.1:{server.port}/health") as r:
+            before = await r.json()
+        results = await asyncio.gather(*(client.completions([65 + i, 66], extra_body=body) for i in range(10)))
+        async with http.get(f"http://127.0.0.1:{server.port}/health") as r:
+            after = await r.json()
+        assert all(len(r.choices[0].token_ids) == 96 for r in results)
+    steps, tokens = after["steps"] - before["steps"], after["generated_tokens"] - before["generated_tokens"]
     assert tokens == 960 and steps <= 960 / 3, f"{tokens} tokens in {steps} decode steps"
 
 
-def test_weight_update_changes_greedy_output_and_served_follows(server, bus, run, output_dir, model_and_tokenizer):
+async def test_weight_update_changes_greedy_output_and_served_follows(server, bus, run, output_dir,
+                                                                      model_and_tokenizer):
     """Runs last in this module: it moves the shared server to version 1."""
     from transformers import AutoModelForCausalLM
 
@@ -249,24 +241,21 @@ def test_weight_update_changes_greedy_output_and_served_follows(server, bus, run
     expected = expected[len(prompt):]
     greedy = {"prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
 
-    _, before = _post(server, "/completions", greedy)
+    _, before = await _post(server, "/completions", greedy)
     assert before["policy_version"] == 0 and before["choices"][0]["token_ids"] != expected
 
-    async def update():
-        async with bus("trainer", run=run) as b:
-            tracker = PolicyTracker(b)
-            await tracker.wait(lambda t: t.served_by.get(SERVER_ID) == 0, timeout_s=10)
-            event = WeightUpdate(step=1, format="safetensors", dir=str(new_dir), files=describe_weights(new_dir))
-            await b.publish(b.keys.weights(), event)
-            await tracker.wait(lambda t: t.served_by.get(SERVER_ID) == 1, timeout_s=30)
-
-    asyncio.run(update())
-    _, after = _post(server, "/completions", greedy)
+    async with bus("trainer", run=run) as b:
+        tracker = PolicyTracker(b)
+        await tracker.wait(lambda t: t.served_by.get(SERVER_ID) == 0, timeout_s=10)
+        event = WeightUpdate(step=1, format="safetensors", dir=str(new_dir), files=describe_weights(new_dir))
+        await b.publish(b.keys.weights(), event)
+        await tracker.wait(lambda t: t.served_by.get(SERVER_ID) == 1, timeout_s=30)
+    _, after = await _post(server, "/completions", greedy)
     assert after["policy_version"] == 1
     assert after["choices"][0]["token_ids"] == expected
 
 
-def test_gloo_broadcast_update_is_loaded_in_place(server, bus, run, tmp_path, model_and_tokenizer):
+async def test_gloo_broadcast_update_is_loaded_in_place(server, bus, run, tmp_path, model_and_tokenizer):
     """After the safetensors update (version 1): a gloo broadcast of other weights as version 2."""
     from transformers import AutoModelForCausalLM
 
@@ -281,19 +270,15 @@ def test_gloo_broadcast_update_is_loaded_in_place(server, bus, run, tmp_path, mo
     state = new_model.state_dict()
     event = sender.event(2, state)
 
-    async def update():
-        async with bus("trainer", run=run) as b:
-            await b.publish(b.keys.weights(), event)
-            await asyncio.to_thread(sender.broadcast, event, state)
-            await PolicyTracker(b).wait(lambda t: t.served_by.get(SERVER_ID) == 2, timeout_s=30)
-
-    asyncio.run(update())
-    _, after = _post(server, "/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+    async with bus("trainer", run=run) as b:
+        await b.publish(b.keys.weights(), event)
+        await asyncio.to_thread(sender.broadcast, event, state)
+        await PolicyTracker(b).wait(lambda t: t.served_by.get(SERVER_ID) == 2, timeout_s=30)
+    _, after = await _post(server, "/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0.0,
                                               "ignore_eos": True, "return_token_ids": True})
     assert after["policy_version"] == 2 and after["choices"][0]["token_ids"] == expected[2:]
 
 
-@pytest.mark.asyncio
 async def test_metrics_count_the_tokens_sampled_and_name_the_server(server, run):
     async def scrape(http) -> dict[str, float]:
         async with http.get(f"http://127.0.0.1:{server.port}/metrics") as r:
@@ -311,7 +296,6 @@ async def test_metrics_count_the_tokens_sampled_and_name_the_server(server, run)
     assert "rlbus_inference_policy_version" in after and after["rlbus_inference_decode_steps_total"] > 0
 
 
-@pytest.mark.asyncio
 async def test_a_server_whose_engine_keeps_failing_exits_for_its_supervisor(tiny_model_dir, tmp_path, monkeypatch):
     """Each failed step is a 500 (the client retries); after three in a row the engine stops, requests get 503 with
     Retry-After, /health says engine_dead, and ``run()`` raises within a second or two, so the process exits and

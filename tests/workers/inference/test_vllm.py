@@ -74,17 +74,14 @@ def _max_gap(model, result, temperature: float) -> float:
     return max(gaps)
 
 
-def _complete(server, **kwargs):
-    async def go():
-        async with InferenceClient([server.base_url], timeout_s=60, max_retries=1) as client:
-            return await client.completions(PROMPT, **kwargs)
-
-    return asyncio.run(go())
+async def _complete(server, **kwargs):
+    async with InferenceClient([server.base_url], timeout_s=60, max_retries=1) as client:
+        return await client.completions(PROMPT, **kwargs)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_completions_return_token_ids_and_logprobs_close_to_fp32(server, model, temperature):
-    result = _complete(server, n=3, temperature=temperature, max_tokens=12, seed=5, prompt_logprobs=True,
+async def test_completions_return_token_ids_and_logprobs_close_to_fp32(server, model, temperature):
+    result = await _complete(server, n=3, temperature=temperature, max_tokens=12, seed=5, prompt_logprobs=True,
                        extra_body={"ignore_eos": True})
     assert result.prompt_token_ids == PROMPT
     assert result.policy_version is None  # vLLM does not report it; `served` on the policy stream does
@@ -102,18 +99,15 @@ def test_completions_return_token_ids_and_logprobs_close_to_fp32(server, model, 
     assert sampled_gap < LOGPROB_TOL and prompt_gap < LOGPROB_TOL
 
 
-def test_served_is_published_at_startup(server, bus, run):
-    async def go():
-        async with bus("probe", run=run) as b:
-            tracker = PolicyTracker(b)
-            await tracker.wait(lambda t: SERVER_ID in t.served_by, timeout_s=10)
-            return tracker.served_by[SERVER_ID]
-
-    assert asyncio.run(go()) == 0
+async def test_served_is_published_at_startup(server, bus, run):
+    async with bus("probe", run=run) as b:
+        tracker = PolicyTracker(b)
+        await tracker.wait(lambda t: SERVER_ID in t.served_by, timeout_s=10)
+        assert tracker.served_by[SERVER_ID] == 0
 
 
-def test_weights_event_reloads_vllm_and_publishes_served(server, model, bus, run, out_dir):
-    before = _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+async def test_weights_event_reloads_vllm_and_publishes_served(server, model, bus, run, out_dir):
+    before = await _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
     torch.manual_seed(1)
     new = type(model)(model.config).eval()  # fresh random init, tied embeddings included
     with torch.no_grad():
@@ -122,18 +116,14 @@ def test_weights_event_reloads_vllm_and_publishes_served(server, model, bus, run
     step_dir = weights_dir(out_dir, 1)
     files = save_weights(new, step_dir)
 
-    async def go():
-        async with bus("trainer-probe", run=run) as b:
-            tracker = PolicyTracker(b)
-            start = time.monotonic()
-            await b.publish(b.keys.weights(), WeightUpdate(step=1, format="safetensors", dir=str(step_dir),
-                                                           files=files))
-            await tracker.wait(lambda t: t.served_by.get(SERVER_ID, 0) >= 1, timeout_s=60)
-            return time.monotonic() - start
-
-    reload_s = asyncio.run(go())
-    after = _complete(server, n=2, temperature=1.0, max_tokens=12, seed=3, extra_body={"ignore_eos": True})
-    greedy = _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+    async with bus("trainer-probe", run=run) as b:
+        tracker = PolicyTracker(b)
+        start = time.monotonic()
+        await b.publish(b.keys.weights(), WeightUpdate(step=1, format="safetensors", dir=str(step_dir), files=files))
+        await tracker.wait(lambda t: t.served_by.get(SERVER_ID, 0) >= 1, timeout_s=60)
+        reload_s = time.monotonic() - start
+    after = await _complete(server, n=2, temperature=1.0, max_tokens=12, seed=3, extra_body={"ignore_eos": True})
+    greedy = await _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
     gap = _max_gap(new, after, 1.0)
     print(f"\nreload_to_served_ms={reload_s * 1000:.0f} logprob_max_abs_diff_after_reload={gap:.4f}")
     assert greedy.choices[0].token_ids != before.choices[0].token_ids
@@ -142,7 +132,7 @@ def test_weights_event_reloads_vllm_and_publishes_served(server, model, bus, run
 
 
 
-def test_gloo_broadcast_reaches_vllm_workers_and_publishes_served(server, model, bus, run, out_dir):
+async def test_gloo_broadcast_reaches_vllm_workers_and_publishes_served(server, model, bus, run, out_dir):
     """A ``WeightBroadcaster`` (gloo, CPU) sends a changed state dict; vLLM's worker joins as the one receiver."""
     from trainer.broadcast import WeightBroadcaster
 
@@ -154,25 +144,21 @@ def test_gloo_broadcast_reaches_vllm_workers_and_publishes_served(server, model,
     state = new.state_dict()
     sender = WeightBroadcaster("127.0.0.1", free_port(), receivers=1, device=torch.device("cpu"), timeout_s=60)
 
-    async def go(step: int):
-        async with bus("trainer-probe", run=run) as b:
-            tracker = PolicyTracker(b)
-            await tracker.refresh()
-            served_before = tracker.served_by.get(SERVER_ID, 0)
-            event = sender.event(step, state)
-            start = time.monotonic()
-            await b.publish(b.keys.weights(), event)
-            await asyncio.to_thread(sender.broadcast, event, state)  # returns once the receiver has every tensor
-            broadcast_s = time.monotonic() - start
-            await tracker.wait(lambda t: t.served_by.get(SERVER_ID, 0) >= step, timeout_s=60)
-            return served_before, broadcast_s, time.monotonic() - start
-
     step = 2  # after the safetensors test's step 1; any step above the served one works alone too
-    before = _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
-    served_before, broadcast_s, served_s = asyncio.run(go(step))
-    assert served_before < step
-    after = _complete(server, n=2, temperature=1.0, max_tokens=12, seed=3, extra_body={"ignore_eos": True})
-    greedy = _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+    before = await _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+    async with bus("trainer-probe", run=run) as b:
+        tracker = PolicyTracker(b)
+        await tracker.refresh()
+        assert tracker.served_by.get(SERVER_ID, 0) < step
+        event = sender.event(step, state)
+        start = time.monotonic()
+        await b.publish(b.keys.weights(), event)
+        await asyncio.to_thread(sender.broadcast, event, state)  # returns once the receiver has every tensor
+        broadcast_s = time.monotonic() - start
+        await tracker.wait(lambda t: t.served_by.get(SERVER_ID, 0) >= step, timeout_s=60)
+        served_s = time.monotonic() - start
+    after = await _complete(server, n=2, temperature=1.0, max_tokens=12, seed=3, extra_body={"ignore_eos": True})
+    greedy = await _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
     gap = _max_gap(new, after, 1.0)
     greedy_gap = _max_gap(new, greedy, 1.0)
     # Greedy tokens are the fp32 model's argmax up to bf16: each chosen token's fp32 logprob is within the

@@ -1,6 +1,5 @@
 """The vLLM command line, environment and reload calls (no vLLM needed)."""
 
-import asyncio
 
 import aiohttp
 import msgspec
@@ -53,7 +52,7 @@ def test_the_server_runs_its_own_thread_share_not_the_one_it_inherits(tmp_path, 
     assert vllm_env(unset)["OMP_NUM_THREADS"] == "2"  # a server started on its own: the user's environment stands
 
 
-def test_reload_pauses_reloads_resets_and_resumes_and_a_failed_reset_is_an_error(tmp_path):
+async def test_reload_pauses_reloads_resets_and_resumes_and_a_failed_reset_is_an_error(tmp_path):
     """The reload against a stand-in for vLLM's dev endpoints: pause (keeping requests), reload, prefix-cache reset,
     resume; a reset that vLLM reports as failed (blocks still held) is an error, not a silent stale cache, and
     the engine is resumed all the same."""
@@ -72,37 +71,34 @@ def test_reload_pauses_reloads_resets_and_resumes_and_a_failed_reset_is_an_error
         calls.append((request.path_qs, None))
         return web.json_response({"status": "ok"})
 
-    async def main():
-        app = web.Application()
-        app.router.add_post("/collective_rpc", rpc)
-        app.router.add_post("/reset_prefix_cache", reset)
-        app.router.add_post("/pause", plain)
-        app.router.add_post("/resume", plain)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        config = RlbusConfig.model_validate({"model": {"path": "/m"}, "run": {"output_dir": str(tmp_path)}})
-        server = VllmServer(config, "127.0.0.1", port, "vllm-0")
-        server.session = aiohttp.ClientSession()
-        event = WeightUpdate(step=3, format="safetensors", dir=str(tmp_path), files=[])
-        try:
+    app = web.Application()
+    app.router.add_post("/collective_rpc", rpc)
+    app.router.add_post("/reset_prefix_cache", reset)
+    app.router.add_post("/pause", plain)
+    app.router.add_post("/resume", plain)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    config = RlbusConfig.model_validate({"model": {"path": "/m"}, "run": {"output_dir": str(tmp_path)}})
+    server = VllmServer(config, "127.0.0.1", port, "vllm-0")
+    server.session = aiohttp.ClientSession()
+    event = WeightUpdate(step=3, format="safetensors", dir=str(tmp_path), files=[])
+    try:
+        await server.reload(event)
+        answer["success"] = False
+        with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
             await server.reload(event)
-            answer["success"] = False
-            with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
-                await server.reload(event)
-        finally:
-            await server.session.close()
-            await runner.cleanup()
-
-    asyncio.run(main())
+    finally:
+        await server.session.close()
+        await runner.cleanup()
     rpc_call = ("/collective_rpc", {"method": "rlbus_reload_weights", "kwargs": {"weights_path": str(tmp_path)}})
     once = [("/pause?mode=keep", None), rpc_call, ("/reset_prefix_cache", None), ("/resume", None)]
     assert calls == once + once
 
 
-def test_a_broadcast_event_is_joined_through_the_worker_extension_between_pause_and_resume(tmp_path):
+async def test_a_broadcast_event_is_joined_through_the_worker_extension_between_pause_and_resume(tmp_path):
     """An nccl/gloo event takes the same pause / rpc / reset / resume path, the rpc being the extension's
     ``rlbus_receive_broadcast`` with the event as JSON and the trainer's broadcast timeout."""
     from bus.messages import WeightTensor
@@ -115,29 +111,25 @@ def test_a_broadcast_event_is_joined_through_the_worker_extension_between_pause_
         return web.json_response({"results": [{"receive_ms": 5.0, "load_ms": 2.0, "bytes": 8}]}
                                  if body else {"success": True})
 
-    async def main():
-        app = web.Application()
-        for path in ("/collective_rpc", "/reset_prefix_cache", "/pause", "/resume"):
-            app.router.add_post(path, handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        config = RlbusConfig.model_validate({"model": {"path": "/m"}, "run": {"output_dir": str(tmp_path)},
-                                             "trainer": {"weight_transport": "nccl", "broadcast_timeout_s": 42}})
-        server = VllmServer(config, "127.0.0.1", port, "vllm-0")  # nccl is accepted now
-        server.session = aiohttp.ClientSession()
-        event = WeightUpdate(step=4, format="nccl", host="127.0.0.1", port=1234, world_size=2,
-                             tensors=[WeightTensor(name="w", dtype="float32", shape=[2])])
-        try:
-            await server.reload(event)
-        finally:
-            await server.session.close()
-            await runner.cleanup()
-        return event
-
-    event = asyncio.run(main())
+    app = web.Application()
+    for path in ("/collective_rpc", "/reset_prefix_cache", "/pause", "/resume"):
+        app.router.add_post(path, handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    config = RlbusConfig.model_validate({"model": {"path": "/m"}, "run": {"output_dir": str(tmp_path)},
+                                         "trainer": {"weight_transport": "nccl", "broadcast_timeout_s": 42}})
+    server = VllmServer(config, "127.0.0.1", port, "vllm-0")  # nccl is accepted now
+    server.session = aiohttp.ClientSession()
+    event = WeightUpdate(step=4, format="nccl", host="127.0.0.1", port=1234, world_size=2,
+                         tensors=[WeightTensor(name="w", dtype="float32", shape=[2])])
+    try:
+        await server.reload(event)
+    finally:
+        await server.session.close()
+        await runner.cleanup()
     assert [c[0] for c in calls] == ["/pause?mode=keep", "/collective_rpc", "/reset_prefix_cache", "/resume"]
     rpc = calls[1][1]
     assert rpc["method"] == "rlbus_receive_broadcast" and rpc["kwargs"]["timeout_s"] == 42

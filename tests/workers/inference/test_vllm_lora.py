@@ -3,7 +3,6 @@ a request naming it gets the merged model's completion, the base model stays ser
 
 Runs in the vLLM venv (``bash .ci/vllm.sh``); vLLM starts once for the module (~40 s on CPU)."""
 
-import asyncio
 
 import pytest
 import torch
@@ -65,12 +64,9 @@ def adapter_step(model_dir, out_dir, step: int):
     return WeightUpdate(step=step, format="safetensors", dir=str(path), files=files, adapter=f"r4-a8-step{step}")
 
 
-def greedy(server, model: str | None):
-    async def go():
-        async with InferenceClient([server.base_url], timeout_s=60, max_retries=0, model=model) as client:
-            return await client.completions(PROMPT, temperature=0.0, max_tokens=10, extra_body={"ignore_eos": True})
-
-    return asyncio.run(go())
+async def greedy(server, model: str | None):
+    async with InferenceClient([server.base_url], timeout_s=60, max_retries=0, model=model) as client:
+        return await client.completions(PROMPT, temperature=0.0, max_tokens=10, extra_body={"ignore_eos": True})
 
 
 def reference(model) -> tuple[list[int], list[float]]:
@@ -83,7 +79,7 @@ def reference(model) -> tuple[list[int], list[float]]:
     return ids[len(PROMPT):], logprobs
 
 
-def test_each_version_is_served_under_its_adapter_name(server, tiny_model_dir, out_dir, bus, run):
+async def test_each_version_is_served_under_its_adapter_name(server, tiny_model_dir, out_dir, bus, run):
     from transformers import AutoModelForCausalLM
 
     base_tokens, _ = reference(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
@@ -94,18 +90,18 @@ def test_each_version_is_served_under_its_adapter_name(server, tiny_model_dir, o
             await b.publish(b.keys.weights(), event)
             await PolicyTracker(b).wait(lambda t: t.served_by.get(SERVER_ID) == event.step, timeout_s=60)
 
-    asyncio.run(publish(events[0]))
-    first = greedy(server, "r4-a8-step1")
+    await publish(events[0])
+    first = await greedy(server, "r4-a8-step1")
     tokens, logprobs = reference(merged_model(tiny_model_dir, events[0].dir).eval())
     assert tokens != base_tokens  # the adapter changes the policy
     assert first.choices[0].token_ids[:4] == tokens[:4]  # bf16 vs fp32: the first tokens agree
     gaps = [abs(a - b) for a, b in zip(first.choices[0].logprobs[:4], logprobs[:4], strict=True)]
     assert max(gaps) < LOGPROB_TOL, gaps
-    assert greedy(server, None).choices[0].token_ids[:4] == base_tokens[:4]  # the base model is still served
+    assert await greedy(server, None).choices[0].token_ids[:4] == base_tokens[:4]  # the base model is still served
 
     for event in events[1:]:  # max_loras = max_off_policy_steps + prefetch + 2 = 4: version 5 unloads version 1
-        asyncio.run(publish(event))
-    assert greedy(server, "r4-a8-step5").choices
-    assert greedy(server, "r4-a8-step2").choices  # still loaded: in flight requests may ask for it
+        await publish(event)
+    assert await greedy(server, "r4-a8-step5").choices
+    assert await greedy(server, "r4-a8-step2").choices  # still loaded: in flight requests may ask for it
     with pytest.raises(Exception, match="404|400|not found|does not exist"):
-        greedy(server, "r4-a8-step1")
+        await greedy(server, "r4-a8-step1")

@@ -62,63 +62,57 @@ def eval_group(task: Task, reward: float) -> RolloutGroup:
                         eval_step=task.eval_step, samples=[sample])
 
 
-def test_a_dead_lettered_eval_task_counts_as_done_and_a_stuck_eval_times_out(bus, redis_url, run_name):
-    async def main():
-        async with bus("run") as b:
-            coordinator = EvalCoordinator(eval_config(redis_url, run_name, timeout_s=0.5), b, {"rev_eval": 50})
-            await coordinator.setup()
-            assert await b.state_get(EVAL_HOLD_FIELD) == "0"
-            await coordinator.issue_due()  # step 0: three tasks
-            entries = await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)
-            tasks = [e.message for e in entries]
-            assert len(tasks) == 3
-            await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[0], 1.0))
-            await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[1], 0.0))
-            await b.dead_letter(entries[2], reason="env broke")
-            await coordinator.collect(block_ms=100)
-            assert coordinator.complete(0)
-            (_, metric), = [m for m in await b.read_fanout(b.keys.metrics()) if m[1].source == "eval"]
-            assert metric.values["eval/rev_eval/reward"] == 0.5 and metric.values["eval/rev_eval/groups_missing"] == 1
-            assert await b.state_get(EVAL_HOLD_FIELD) == "5"  # the next eval step: interval 5
+async def test_a_dead_lettered_eval_task_counts_as_done_and_a_stuck_eval_times_out(bus, redis_url, run_name):
+    async with bus("run") as b:
+        coordinator = EvalCoordinator(eval_config(redis_url, run_name, timeout_s=0.5), b, {"rev_eval": 50})
+        await coordinator.setup()
+        assert await b.state_get(EVAL_HOLD_FIELD) == "0"
+        await coordinator.issue_due()  # step 0: three tasks
+        entries = await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)
+        tasks = [e.message for e in entries]
+        assert len(tasks) == 3
+        await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[0], 1.0))
+        await b.publish(b.keys.rollouts("rev_eval"), eval_group(tasks[1], 0.0))
+        await b.dead_letter(entries[2], reason="env broke")
+        await coordinator.collect(block_ms=100)
+        assert coordinator.complete(0)
+        (_, metric), = [m for m in await b.read_fanout(b.keys.metrics()) if m[1].source == "eval"]
+        assert metric.values["eval/rev_eval/reward"] == 0.5 and metric.values["eval/rev_eval/groups_missing"] == 1
+        assert await b.state_get(EVAL_HOLD_FIELD) == "5"  # the next eval step: interval 5
 
-            await publish_trained(b, 5)
-            await coordinator.issue_due()  # step 5: no rollout worker answers
-            await coordinator.collect(block_ms=100)
-            assert not coordinator.complete(5)
-            await asyncio.sleep(0.6)
-            await coordinator.collect(block_ms=100)
-            assert coordinator.complete(5)
-            metrics = [m.values for _, m in await b.read_fanout(b.keys.metrics()) if m.source == "eval" and m.step == 5]
-            assert metrics[-1]["eval/rev_eval/groups_missing"] == 3 and metrics[-1]["eval/rev_eval/timed_out"] == 1
-            assert await b.state_get(EVAL_HOLD_FIELD) == "10"
-
-    asyncio.run(main())
+        await publish_trained(b, 5)
+        await coordinator.issue_due()  # step 5: no rollout worker answers
+        await coordinator.collect(block_ms=100)
+        assert not coordinator.complete(5)
+        await asyncio.sleep(0.6)
+        await coordinator.collect(block_ms=100)
+        assert coordinator.complete(5)
+        metrics = [m.values for _, m in await b.read_fanout(b.keys.metrics()) if m.source == "eval" and m.step == 5]
+        assert metrics[-1]["eval/rev_eval/groups_missing"] == 3 and metrics[-1]["eval/rev_eval/timed_out"] == 1
+        assert await b.state_get(EVAL_HOLD_FIELD) == "10"
 
 
-def test_a_restarted_coordinator_replays_its_pending_eval_groups_and_acks_training_groups_unread(
+async def test_a_restarted_coordinator_replays_its_pending_eval_groups_and_acks_training_groups_unread(
     bus, redis_url, run_name
 ):
-    async def main():
-        async with bus("run") as b:
-            config = eval_config(redis_url, run_name, timeout_s=None)
-            first = EvalCoordinator(config, b, {"rev_eval": 50})
-            await first.setup()
-            await first.issue_due()
-            tasks = [e.message for e in await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)]
-            rollouts = b.keys.rollouts("rev_eval")
-            training = RolloutGroup(task_id="rev:0:0", env="rev_eval", example_id="0", samples=[])
-            await b.publish(rollouts, training)
-            await b.publish(rollouts, eval_group(tasks[0], 1.0))
-            await first.collect(block_ms=100)
-            assert (await b.redis.xpending(rollouts, "eval"))["pending"] == 1  # the training group: acked unread
+    async with bus("run") as b:
+        config = eval_config(redis_url, run_name, timeout_s=None)
+        first = EvalCoordinator(config, b, {"rev_eval": 50})
+        await first.setup()
+        await first.issue_due()
+        tasks = [e.message for e in await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10)]
+        rollouts = b.keys.rollouts("rev_eval")
+        training = RolloutGroup(task_id="rev:0:0", env="rev_eval", example_id="0", samples=[])
+        await b.publish(rollouts, training)
+        await b.publish(rollouts, eval_group(tasks[0], 1.0))
+        await first.collect(block_ms=100)
+        assert (await b.redis.xpending(rollouts, "eval"))["pending"] == 1  # the training group: acked unread
 
-            second = EvalCoordinator(config, b, {"rev_eval": 50})  # the same consumer, restarted
-            await second.setup()
-            assert set(second.pending[("rev_eval", 0)].groups) == {tasks[0].task_id}
-            for task in tasks[1:]:
-                await b.publish(rollouts, eval_group(task, 0.0))
-            await second.collect(block_ms=100)
-            assert second.complete(0)
-            assert (await b.redis.xpending(rollouts, "eval"))["pending"] == 0
-
-    asyncio.run(main())
+        second = EvalCoordinator(config, b, {"rev_eval": 50})  # the same consumer, restarted
+        await second.setup()
+        assert set(second.pending[("rev_eval", 0)].groups) == {tasks[0].task_id}
+        for task in tasks[1:]:
+            await b.publish(rollouts, eval_group(task, 0.0))
+        await second.collect(block_ms=100)
+        assert second.complete(0)
+        assert (await b.redis.xpending(rollouts, "eval"))["pending"] == 0

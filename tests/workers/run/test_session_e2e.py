@@ -4,7 +4,6 @@ Each test starts `python -m workers.cli run` as a subprocess (plain log lines: s
 reads what it left: summary.json, metrics.jsonl, the streams.
 """
 
-import asyncio
 import json
 import os
 import random
@@ -50,8 +49,8 @@ def start_run(out: Path, model_dir: Path, *overrides: str, extra: tuple[str, ...
     argv = [sys.executable, "-m", "workers.cli", "run", "@", str(config), "--run.output_dir", str(out),
             "--model.path", str(model_dir), "--inference.port", str(free_port()), *overrides, *extra]
     out.mkdir(parents=True, exist_ok=True)
-    log = open(out.parent / f"{out.name}.stdout", "w")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    with open(out.parent / f"{out.name}.stdout", "w") as log:  # the child keeps its own copy
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def stdout_of(out: Path) -> str:
@@ -389,7 +388,7 @@ def inject_garbage(client: redis.Redis, keys: Keys, step: int) -> tuple[int, set
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_balance(tmp_path, tiny_model_dir):
+async def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_balance(tmp_path, tiny_model_dir):
     """30 kill -9 of random roles, a rollout worker stopped past claim_idle_ms, Redis killed and restarted, malformed
     entries in every stream and a NaN reward, a hung env call, a 45 s inference outage, 200 bad inference requests
     and a corrupt newest checkpoint, all in one run: it reaches max_steps, every group is accounted for, nothing is
@@ -452,16 +451,12 @@ def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_bala
         audit = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "--run", "default", "--redis-url",
                                 server.url, "--audit"], capture_output=True, text=True, cwd=REPO)
         assert audit.returncode == 0 and "trained twice: none" in audit.stdout, audit.stdout[-3000:]
-
-        async def books() -> tuple[tuple[int, int], list[DeadLetter]]:
-            bus = await Bus.connect(server.url, "default", RedisConfig(url=server.url), "auditor")
-            try:
-                dead = [DeadLetter.from_fields(f) for _, f in await bus.redis.xrange(bus.keys.dead())]
-                return await reconcile_inflight(bus, ["echo_chars"]), dead
-            finally:
-                await bus.close()
-
-        (was, now), dead = asyncio.run(books())
+        bus = await Bus.connect(server.url, "default", RedisConfig(url=server.url), "auditor")
+        try:
+            dead = [DeadLetter.from_fields(f) for _, f in await bus.redis.xrange(bus.keys.dead())]
+            was, now = await reconcile_inflight(bus, ["echo_chars"])
+        finally:
+            await bus.close()
         assert was == now, f"the in-flight count drifted: {was} recorded, {now} in the streams"
         assert len(dead) >= garbage
         outage = [d.reason for d in dead if (d.stream, d.entry_id) not in injected]

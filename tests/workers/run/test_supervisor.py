@@ -74,9 +74,8 @@ c = sup.start(ChildSpec("sleeper", "s", ["sleep", "60"]))
 print(c.proc.pid, flush=True)
 time.sleep(60)
 """
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    child_pid = int(proc.stdout.readline())
-    assert _alive(child_pid)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
+        child_pid = int(proc.stdout.readline())
+        assert _alive(child_pid)
+        proc.send_signal(signal.SIGKILL)
     assert _wait(lambda: not _alive(child_pid), 5), "child outlived its SIGKILLed supervisor"

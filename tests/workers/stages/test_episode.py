@@ -1,6 +1,5 @@
 """Episode building with the tiny byte-level tokenizer and scripted env/inference fakes (no servers)."""
 
-import asyncio
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,11 +81,11 @@ def test_prompt_and_continuation_follow_the_chat_template(chat):
     assert tok.decode(cont).startswith("<|im_end|>\n<|im_start|>user")
 
 
-def test_multi_turn_masks_and_logprobs(chat):
+async def test_multi_turn_masks_and_logprobs(chat):
     client = ScriptedClient(chat)
     runner = GroupRunner(chat, client, None, max_model_len=512, fallback_version=lambda: 0)
     task = Task(task_id="e:0:0", env="e", example_index=5, example_id="5", group_size=3)
-    samples, timings = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=4))
+    samples, timings = await runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=4)
     assert len(samples) == 3 and set(timings) >= {"generate_s", "env_s", "score_s"}
     s = samples[0]
     tok = chat.tokenizer
@@ -107,48 +106,48 @@ def test_multi_turn_masks_and_logprobs(chat):
     assert client.prompts[-1] == s.prompt_ids.tolist() + s.completion_ids[: 3 + len(env_tokens)].tolist()
 
 
-def test_opd_teacher_logprobs_are_aligned_and_masked(chat):
+async def test_opd_teacher_logprobs_are_aligned_and_masked(chat):
     client = ScriptedClient(chat)
     runner = GroupRunner(chat, client, ScriptedClient(chat), max_model_len=512, fallback_version=lambda: 0)
     task = Task(task_id="e:0:0", env="e", example_index=1, example_id="1", group_size=1, mode="opd")
-    (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=4))
+    (s,), _ = await runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=4)
     assert s.teacher_logprobs is not None and len(s.teacher_logprobs) == len(s.completion_ids)
     assert np.all(s.teacher_logprobs[s.loss_mask] == np.float32(-0.5))
     assert np.all(s.teacher_logprobs[~s.loss_mask] == 0)
 
 
-def test_sft_and_missing_server_versions_use_the_tracker(chat):
+async def test_sft_and_missing_server_versions_use_the_tracker(chat):
     runner = GroupRunner(chat, ScriptedClient(chat, version=None), None, max_model_len=512, fallback_version=lambda: 7)
     task = Task(task_id="e:0:0", env="e", example_index=1, example_id="1", group_size=1)
-    (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=1))
+    (s,), _ = await runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=1)
     assert (s.policy_version_start, s.policy_version_end, s.turns) == (7, 7, 1)
     runner = GroupRunner(chat, ScriptedClient(chat, version=2), None, max_model_len=512, fallback_version=lambda: 9)
-    (s,), _ = asyncio.run(runner.run(task.replace(mode="sft"), TwoTurnEnv(), SamplingConfig(), 1))
+    (s,), _ = await runner.run(task.replace(mode="sft"), TwoTurnEnv(), SamplingConfig(), 1)
     assert s.policy_version_start == 9
 
 
-def test_prompt_longer_than_the_context_is_an_error(chat):
+async def test_prompt_longer_than_the_context_is_an_error(chat):
     runner = GroupRunner(chat, ScriptedClient(chat), None, max_model_len=8, fallback_version=lambda: 0)
     task = Task(task_id="e:0:0", env="e", example_index=1, example_id="1", group_size=1)
     with pytest.raises(RolloutError, match="max_model_len=8"):
-        asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=1))
+        await runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=1)
 
 
-def test_context_limit_truncates_a_multi_turn_episode(chat):
+async def test_context_limit_truncates_a_multi_turn_episode(chat):
     runner = GroupRunner(chat, ScriptedClient(chat), None, max_model_len=40, fallback_version=lambda: 0)
     task = Task(task_id="e:0:0", env="e", example_index=1, example_id="1", group_size=1)
-    (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=4))
+    (s,), _ = await runner.run(task, TwoTurnEnv(), SamplingConfig(), max_turns=4)
     assert s.is_truncated and s.turns == 1 and s.loss_mask.all()  # no dangling env reply
 
 
-def test_a_total_token_budget_spans_the_turns_of_an_episode(chat):
+async def test_a_total_token_budget_spans_the_turns_of_an_episode(chat):
     client = ScriptedClient(chat)  # every model turn is 3 tokens
     runner = GroupRunner(chat, client, None, max_model_len=512, fallback_version=lambda: 0)
     task = Task(task_id="e:0:0", env="e", example_index=1, example_id="1", group_size=1)
-    (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(max_completion_tokens=10), 4,
-                                     max_total_tokens=5))
+    (s,), _ = await runner.run(task, TwoTurnEnv(), SamplingConfig(max_completion_tokens=10), 4,
+                               max_total_tokens=5)
     assert client.max_tokens == [5, 2] and s.turns == 2  # the second turn may spend what the first left
-    (s,), _ = asyncio.run(runner.run(task, TwoTurnEnv(), SamplingConfig(), 4, max_total_tokens=3))
+    (s,), _ = await runner.run(task, TwoTurnEnv(), SamplingConfig(), 4, max_total_tokens=3)
     assert s.is_truncated and s.turns == 1 and s.loss_mask.all()  # the budget is spent: no env reply, no turn
 
 
@@ -162,10 +161,10 @@ class ReferenceEnv(TwoTurnEnv):
         return {"reward": float(messages[-1]["content"] == f"answer {index}"), "metrics": {}}
 
 
-def test_sft_from_data_trains_on_the_reference_answer_with_the_chat_template(chat):
+async def test_sft_from_data_trains_on_the_reference_answer_with_the_chat_template(chat):
     runner = AnswerRunner(chat, 512, lambda: 4, reference_answers, "reference")
     task = Task(task_id="e:0:0", env="e", example_index=7, example_id="7", group_size=1, mode="sft")
-    (s,), timings = asyncio.run(runner.run(task, ReferenceEnv(), SamplingConfig(), max_turns=1))
+    (s,), timings = await runner.run(task, ReferenceEnv(), SamplingConfig(), max_turns=1)
     tok = chat.tokenizer
     assert tok.decode(s.prompt_ids) == "<|im_start|>user\nq7<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(s.completion_ids) == "answer 7<|im_end|>"  # what the model would say, end of turn included
@@ -173,10 +172,10 @@ def test_sft_from_data_trains_on_the_reference_answer_with_the_chat_template(cha
     assert set(timings) >= {"env_s", "score_s"}
     short = AnswerRunner(chat, 20, lambda: 0, reference_answers, "reference")
     with pytest.raises(RolloutError, match="reference answer are .* over inference.max_model_len=20"):
-        asyncio.run(short.run(task, ReferenceEnv(), SamplingConfig(), max_turns=1))
+        await short.run(task, ReferenceEnv(), SamplingConfig(), max_turns=1)
 
 
-def test_a_chat_teachers_cut_off_or_empty_answer_fails_the_task_and_a_whole_one_is_trained_on(chat):
+async def test_a_chat_teachers_cut_off_or_empty_answer_fails_the_task_and_a_whole_one_is_trained_on(chat):
     class Teacher:
         def __init__(self, choices):
             self.choices, self.sent = choices, {}
@@ -188,11 +187,11 @@ def test_a_chat_teachers_cut_off_or_empty_answer_fails_the_task_and_a_whole_one_
     task = Task(task_id="e:0:0", env="e", example_index=7, example_id="7", group_size=1, mode="sft")
     whole = Teacher([{"message": {"content": "answer 7"}, "finish_reason": "stop"}])
     runner = AnswerRunner(chat, 512, lambda: 0, chat_answers(whole), "teacher")
-    (s,), timings = asyncio.run(runner.run(task, ReferenceEnv(), SamplingConfig(extra_body={"top_k": 5}), 1))
+    (s,), timings = await runner.run(task, ReferenceEnv(), SamplingConfig(extra_body={"top_k": 5}), 1)
     assert chat.tokenizer.decode(s.completion_ids) == "answer 7<|im_end|>" and s.reward == 1.0
     assert "teacher_s" in timings and "top_k" not in whole.sent and whole.sent["n"] == 1
     for bad in ({"message": {"content": None}, "finish_reason": "content_filter"},
                 {"message": {"content": "answ"}, "finish_reason": "length"}):
         cut = AnswerRunner(chat, 512, lambda: 0, chat_answers(Teacher([bad])), "teacher")
         with pytest.raises(RolloutError, match="not a whole one"):
-            asyncio.run(cut.run(task, ReferenceEnv(), SamplingConfig(), 1))
+            await cut.run(task, ReferenceEnv(), SamplingConfig(), 1)

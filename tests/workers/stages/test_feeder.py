@@ -61,22 +61,20 @@ def test_pick_env_stops_after_max_epochs():
 # Against redis.
 
 
-def _run_until(feeder: FeederWorker, n: int):
-    async def main():
-        await feeder.setup()
-        task = asyncio.create_task(feeder.run())
-        while feeder.issued < n and not task.done():
-            await asyncio.sleep(0.01)
-        feeder.request_stop()
-        await task
-        await feeder.close()
-    asyncio.run(main())
+async def _run_until(feeder: FeederWorker, n: int):
+    await feeder.setup()
+    task = asyncio.create_task(feeder.run())
+    while feeder.issued < n and not task.done():
+        await asyncio.sleep(0.01)
+    feeder.request_stop()
+    await task
+    await feeder.close()
 
 
-def test_ratios_hold_over_1000_tasks(redis_url, run_name, redis_client):
+async def test_ratios_hold_over_1000_tasks(redis_url, run_name, redis_client):
     envs = [{"id": "a", "ratio": 3, "group_size": 1}, {"id": "b", "ratio": 1, "group_size": 1}]
     feeder = FeederWorker(_config(redis_url, run_name, envs), sizes={"a": 37, "b": 1000})
-    _run_until(feeder, 1000)
+    await _run_until(feeder, 1000)
     counts = Counter({e: len(_tasks(redis_client, run_name, e)) for e in ("a", "b")})
     total = counts["a"] + counts["b"]
     assert total >= 1000
@@ -87,23 +85,23 @@ def test_ratios_hold_over_1000_tasks(redis_url, run_name, redis_client):
         assert sorted(t.example_index for t in a if t.epoch == epoch) == list(range(37))
 
 
-def test_no_ratio_mixes_by_dataset_size(redis_url, run_name, redis_client):
+async def test_no_ratio_mixes_by_dataset_size(redis_url, run_name, redis_client):
     envs = [{"id": "a", "group_size": 1}, {"id": "b", "group_size": 1}]
     feeder = FeederWorker(_config(redis_url, run_name, envs), sizes={"a": 30, "b": 10})
-    _run_until(feeder, 200)
+    await _run_until(feeder, 200)
     a, b = len(_tasks(redis_client, run_name, "a")), len(_tasks(redis_client, run_name, "b"))
     assert abs(a / (a + b) - 0.75) < 0.02
 
 
-def test_restarted_feeder_continues_from_its_cursor(redis_url, run_name, redis_client):
+async def test_restarted_feeder_continues_from_its_cursor(redis_url, run_name, redis_client):
     envs = [{"id": "a", "group_size": 2}]
     config = _config(redis_url, run_name, envs, max_epochs=2)
     capped = _config(redis_url, run_name, envs, max_epochs=2, max_inflight_rollouts=18)  # stops it after 9 tasks
-    _run_until(FeederWorker(capped, sizes={"a": 23}), 9)
+    await _run_until(FeederWorker(capped, sizes={"a": 23}), 9)
     first = _tasks(redis_client, run_name, "a")
     assert len(first) == 9
     done = FeederWorker(config, sizes={"a": 23})
-    asyncio.run(_setup_run_close(done))  # runs to max_epochs and returns by itself
+    await _setup_run_close(done)  # runs to max_epochs and returns by itself
     tasks = _tasks(redis_client, run_name, "a")
     assert len(tasks) == 46
     for epoch in (0, 1):
@@ -123,7 +121,7 @@ async def _setup_run_close(worker):
         await worker.close()
 
 
-def test_inflight_cap_blocks_until_the_packer_releases(redis_url, run_name, bus):
+async def test_inflight_cap_blocks_until_the_packer_releases(redis_url, run_name, bus):
     """The cap spans feeder → packer: a forwarded group keeps its samples in flight; the packer's commit
     (metrics entry + release) and a rollout dead-letter wake the blocked feeder (block_ms is long: no polling)."""
     from bus.messages import DeadLetter, Metric
@@ -140,29 +138,26 @@ def test_inflight_cap_blocks_until_the_packer_releases(redis_url, run_name, bus)
             await asyncio.sleep(0.01)
         raise AssertionError(f"issued {feeder.issued}, expected {n}")
 
-    async def main():
-        feeder = FeederWorker(config, sizes={"a": 100})
-        await feeder.setup()
-        task = asyncio.create_task(feeder.run())
-        await asyncio.sleep(0.5)
-        assert feeder.issued == 2  # 2 groups × 4 samples = the cap
-        async with bus("filter") as b:
-            state = b.keys.state()
-            group = RolloutGroup(task_id="a:0:0", env="a", example_id="0", samples=[])
-            await b.commit([], [(b.keys.filtered("a"), group), (b.keys.metrics(), Metric(source="filter", values={}))])
-            await asyncio.sleep(0.3)
-            assert feeder.issued == 2  # the filter forwarded it: still in flight (waiting for the packer)
-            await b.commit([], [(b.keys.metrics(), Metric(source="packer", step=1, values={}))],  # the packer's step commit
-                           extra=lambda p: p.hincrby(state, INFLIGHT_FIELD, -4))
-            await wait_issued(feeder, 3)
-            await asyncio.sleep(0.3)
-            assert feeder.issued == 3
-            assert await b.state_get(INFLIGHT_FIELD) == "8"
-            letter = DeadLetter(stream=b.keys.tasks("a"), entry_id="1-0", reason="test", worker="rollout-x")
-            await b.commit([], [(b.keys.dead(), letter)], extra=lambda p: p.hincrby(state, INFLIGHT_FIELD, -4))
-            await wait_issued(feeder, 4)
-        feeder.request_stop()
-        await task
-        await feeder.close()
-
-    asyncio.run(main())
+    feeder = FeederWorker(config, sizes={"a": 100})
+    await feeder.setup()
+    task = asyncio.create_task(feeder.run())
+    await asyncio.sleep(0.5)
+    assert feeder.issued == 2  # 2 groups × 4 samples = the cap
+    async with bus("filter") as b:
+        state = b.keys.state()
+        group = RolloutGroup(task_id="a:0:0", env="a", example_id="0", samples=[])
+        await b.commit([], [(b.keys.filtered("a"), group), (b.keys.metrics(), Metric(source="filter", values={}))])
+        await asyncio.sleep(0.3)
+        assert feeder.issued == 2  # the filter forwarded it: still in flight (waiting for the packer)
+        await b.commit([], [(b.keys.metrics(), Metric(source="packer", step=1, values={}))],  # the packer's step commit
+                       extra=lambda p: p.hincrby(state, INFLIGHT_FIELD, -4))
+        await wait_issued(feeder, 3)
+        await asyncio.sleep(0.3)
+        assert feeder.issued == 3
+        assert await b.state_get(INFLIGHT_FIELD) == "8"
+        letter = DeadLetter(stream=b.keys.tasks("a"), entry_id="1-0", reason="test", worker="rollout-x")
+        await b.commit([], [(b.keys.dead(), letter)], extra=lambda p: p.hincrby(state, INFLIGHT_FIELD, -4))
+        await wait_issued(feeder, 4)
+    feeder.request_stop()
+    await task
+    await feeder.close()

@@ -66,10 +66,10 @@ class Stack:
         return path
 
     def spawn(self, role: str, config: Path, *args: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{role}-{len(self.procs)}.log", "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", role, "@", str(config), *args],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        with open(self.tmp / f"{role}-{len(self.procs)}.log", "w") as log:  # the child keeps its own copy
+            proc = subprocess.Popen([sys.executable, "-m", "workers.cli", role, "@", str(config), *args],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc
 
@@ -128,7 +128,7 @@ def _wait_for(predicate, timeout_s: float, what: str):
         time.sleep(0.1)
 
 
-def test_multi_turn_groups_and_a_failing_task(stack):
+async def test_multi_turn_groups_and_a_failing_task(stack):
     """guess_number episodes: env tokens masked, logprobs those of the served model; a task that keeps
     failing is dead-lettered after max_retries with its error, a task naming an env this worker does not serve
     is dead-lettered at once, both give their samples back, and the worker carries on."""
@@ -141,18 +141,15 @@ def test_multi_turn_groups_and_a_failing_task(stack):
     stack.redis.xadd(stack.keys.tasks(name), _task("elsewhere", 7, 2).to_fields())
     stack.redis.hincrby(stack.keys.state(), INFLIGHT_FIELD, 2)
 
-    async def main():
-        worker = RolloutWorker(config, worker="r-inproc")
-        await worker.setup()
-        running = asyncio.create_task(worker.run())
-        deadline = time.monotonic() + 120
-        while len(stack.groups(name)) < 3 and time.monotonic() < deadline and not running.done():
-            await asyncio.sleep(0.1)
-        worker.request_stop()
-        await running
-        await worker.close()
-
-    asyncio.run(main())
+    worker = RolloutWorker(config, worker="r-inproc")
+    await worker.setup()
+    running = asyncio.create_task(worker.run())
+    deadline = time.monotonic() + 120
+    while len(stack.groups(name)) < 3 and time.monotonic() < deadline and not running.done():
+        await asyncio.sleep(0.1)
+    worker.request_stop()
+    await running
+    await worker.close()
     unserved, failing = sorted(stack.dead(), key=lambda d: "IndexError" in d.reason)
     assert "'elsewhere', which is not configured here" in unserved.reason
     assert failing.stream == stack.keys.tasks(name)
@@ -222,7 +219,8 @@ def test_kill_9_mid_group_is_redone_exactly_once(stack):
         except redis.ResponseError:
             return {}
 
-    logs = [stack.tmp / f"rollout-{len(stack.procs) - i}.log" for i in (1, 2)]
+    log_of = {c: stack.tmp / f"rollout-{len(stack.procs) - 2 + i}.log" for i, c in enumerate(("ra", "rb"))}
+    logs = list(log_of.values())
     _wait_for(lambda: all("rollout_ready" in log.read_text() for log in logs), 120, "both rollout workers to start")
     stack.publish([_task(name, i, 2) for i in range(4)])
     _wait_for(lambda: any(consumers().values()), 30, "a worker to take a task")
@@ -237,12 +235,14 @@ def test_kill_9_mid_group_is_redone_exactly_once(stack):
     assert sorted(g.task_id for g in groups) == sorted(f"{name}:0:{i}" for i in range(4))
     assert stack.redis.xpending(stream, GROUP_ROLLOUT)["pending"] == 0
     assert not [d for d in stack.dead() if d.stream == stream]
-    survivor = workers["rb" if victim == "ra" else "ra"]
-    survivor.send_signal(signal.SIGTERM)
-    assert survivor.wait(30) == 0
+    survivor = "rb" if victim == "ra" else "ra"
+    workers[survivor].send_signal(signal.SIGTERM)
+    assert workers[survivor].wait(30) == 0
+    reclaimed = [line for line in log_of[survivor].read_text().splitlines() if " task_reclaimed " in line]
+    assert reclaimed and all(f"stream={stream} " in line and "deliveries=2" in line for line in reclaimed), reclaimed
 
 
-def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
+async def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
     name = f"late{uuid.uuid4().hex[:4]}"
     env = {"id": "tests.workers.stages.rollout_envs:slow_echo", "name": name, "group_size": 1, "max_retries": 1,
            "rollout_timeout_s": 0.5, "args": {"step_s": 1.5}}
@@ -250,8 +250,11 @@ def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
     before = int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD) or 0)
     stack.publish([_task(name, 0, 1)], inflight=1)
 
-    async def main():
-        worker = RolloutWorker(config, worker="r-timeout")
+    def mine():
+        return [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
+
+    worker = RolloutWorker(config, worker="r-timeout")
+    with capture_logs() as logs:
         await worker.setup()
         running = asyncio.create_task(worker.run())
         deadline = time.monotonic() + 60
@@ -260,13 +263,10 @@ def test_a_rollout_past_its_timeout_is_retried_then_dead_lettered(stack):
         worker.request_stop()
         await running
         await worker.close()
-
-    def mine():
-        return [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
-
-    asyncio.run(main())
     (letter,) = mine()
     assert "rollout_timeout_s=0.5" in letter.reason and "after 2 attempts" in letter.reason
+    (logged,) = [e for e in logs if e["event"] == "task_dead_lettered"]  # what an operator greps for
+    assert (logged["task_id"], logged["env"], logged["reason"]) == (f"{name}:0:0", name, letter.reason)
     assert stack.groups(name) == [] and int(stack.redis.hget(stack.keys.state(), INFLIGHT_FIELD)) == before
 
 
@@ -286,7 +286,7 @@ async def _proxy(port: int, target: str) -> web.AppRunner:
     return runner
 
 
-def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
+async def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
     """No server answers on inference.base_urls for 4 s (connection refused), then one does: the tasks taken
     meanwhile are held (inference_unreachable) and then rolled out; with env.max_retries = 0 each used to become a
     dead letter at its first refused connection. The slow test below does the same with a 45 s outage."""
@@ -297,7 +297,7 @@ def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
     config = load_config([stack.config([env])], [("inference.base_urls", [f"http://127.0.0.1:{port}/v1"])])
     stack.publish([_task(name, i, 2) for i in range(2)], inflight=4)
 
-    async def main():
+    with capture_logs() as logs:
         worker = RolloutWorker(config, worker="r-hold")
         await worker.setup()
         running = asyncio.create_task(worker.run())
@@ -311,9 +311,6 @@ def test_tasks_taken_while_no_inference_server_answers_wait_for_one(stack):
         await running
         await worker.close()
         await proxy.cleanup()
-
-    with capture_logs() as logs:
-        asyncio.run(main())
     assert sorted(g.task_id for g in stack.groups(name)) == [f"{name}:0:{i}" for i in range(2)]
     assert not [d for d in stack.dead() if d.stream == stack.keys.tasks(name)]
     assert any(e["event"] == "inference_unreachable" for e in logs)
@@ -333,6 +330,7 @@ def _wait_healthy(stack: Stack, proc: subprocess.Popen, timeout_s: float) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(220)  # 73 s measured alone on the 2-core box
 def test_an_inference_outage_holds_its_tasks_instead_of_dead_lettering_them(tmp_path, redis_server, tiny_model_dir):
     """The only inference server (reached through inference.base_urls, as an external vLLM would be) goes away for
     45 s, then comes back on the same port: every task, those running and those taken meanwhile, is held (claimed,

@@ -143,26 +143,25 @@ def test_a_second_poll_counts_only_what_is_new_and_a_stop_reason_ends_the_run(re
 def test_rlbus_exporter_serves_the_metrics_and_stops_on_sigterm(redis_url, run_name, redis_client):
     port = free_port()
     redis_client.hset(f"rlbus:{{{run_name}}}:state", INFLIGHT_FIELD, 3)
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "exporter", "--run.name", run_name, "--redis.url",
-                             redis_url, "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert f"metrics at http://0.0.0.0:{port}/metrics" in proc.stdout.readline()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-                    text = response.read().decode()
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
-        assert f'rlbus_inflight_samples{{run="{run_name}"}} 3.0' in text
-        proc.terminate()
-        assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with subprocess.Popen([sys.executable, "-m", "workers.cli", "exporter", "--run.name", run_name, "--redis.url",
+                           redis_url, "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert f"metrics at http://0.0.0.0:{port}/metrics" in proc.stdout.readline()
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                        text = response.read().decode()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+            assert f'rlbus_inflight_samples{{run="{run_name}"}} 3.0' in text
+            proc.terminate()
+            assert proc.wait(20) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def test_an_exporter_whose_config_names_no_env_finds_the_runs_streams(redis_url, run_name, redis_client):

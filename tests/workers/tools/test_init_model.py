@@ -74,7 +74,9 @@ def test_if_missing_keeps_a_model_and_concurrent_builders_agree(tmp_path):
     out = tmp_path / "tiny"
     argv = [sys.executable, "-m", "workers.cli", "init-model", "--out", str(out), "--if-missing"]
     builders = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(3)]
-    assert [b.wait(120) for b in builders] == [0, 0, 0]  # pods' init containers, all at once
+    for builder in builders:  # pods' init containers, all at once
+        builder.communicate(timeout=120)
+    assert [b.returncode for b in builders] == [0, 0, 0]
     assert (out / "config.json").exists() and not list(tmp_path.glob(".tiny.*"))  # one model, no leftovers
     stamp = (out / "config.json").stat().st_mtime_ns
     again = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
