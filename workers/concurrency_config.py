@@ -10,7 +10,8 @@ class ConcurrencyConfig(Section):
     """Grow and trim each rollout worker's groups in flight from the inference servers' load (AIMD: +1 group an
     interval while they have headroom, ×``decrease`` when their queues grow, they preempt or the latency per token
     rises), starting at ``rollout.max_concurrent_groups``; false: ``max_concurrent_groups`` is the fixed limit.
-    Off by default (measured in benchmarks/README.md)."""
+    Off by default: on the CPU default it measured within the noise of the best fixed setting, and slower with a
+    slow env, where the shared cores make the latency signal cut (benchmarks/README.md)."""
 
     floor: int = Field(1, ge=1)
     """Fewest groups in flight the controller keeps."""

@@ -2,10 +2,10 @@
 
 A member of consumer group ``rollout`` on every env's task stream. Up to
 ``rollout.max_concurrent_groups`` groups (or the adaptive limit, :mod:`workers.stages.concurrency`) run at
-once; each waits on the staleness gate, plays its episodes (:mod:`workers.stages.episode`) and commits the RolloutGroup together with the task's XACK in
-one MULTI, so a group is published once or not at all. A group waiting at the gate holds no slot:
-otherwise training tasks blocked while the eval hold pins ``served`` would fill every slot and the
-eval tasks that release the hold could never start (a deadlock). The feeder's ``inflight`` cap
+once; each waits on the staleness gate, plays its episodes (:mod:`workers.stages.episode`) and commits the
+RolloutGroup together with the task's XACK in one MULTI, so a group is published once or not at all. A group
+waiting at the gate holds no slot: otherwise training tasks blocked while the eval hold pins ``served`` would fill
+every slot and the eval tasks that release the hold could never start (a deadlock). The feeder's ``inflight`` cap
 bounds how many training tasks can wait.
 
 - Failures: an attempt that raises is retried ``env.max_retries`` times, ``rollout.retry_delay_s``
@@ -88,8 +88,9 @@ class RolloutWorker:
         self.concurrency = AimdController(rollout.concurrency, rollout.max_concurrent_groups)
         """The limit on groups in flight (fixed at ``max_concurrent_groups`` unless ``concurrency.adaptive``)."""
         self._peak_busy = 0
-        self.servers: ServerLoad | None = None
         """The most groups that ran at once since the controller last looked."""
+        self.servers: ServerLoad | None = None
+        """The inference servers' load, polled with ``concurrency.adaptive``."""
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -3,7 +3,7 @@
 Each poll asks every server at once, each bounded by a timeout: the built-in server's ``/health`` (``queued``,
 ``active`` of ``max_batch_size``, ``decode_s`` over ``steps``), vLLM's Prometheus ``/metrics``
 (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` or ``vllm:gpu_cache_usage_perc``,
-``vllm:num_preemptions_total``, ``vllm:time_per_output_token_seconds`` or ``vllm:inter_token_latency_seconds``).
+``vllm:num_preemptions_total``, ``vllm:inter_token_latency_seconds`` or ``vllm:time_per_output_token_seconds``).
 A server's kind is found at its first answer (a JSON ``/health`` with ``queued`` is the built-in one). A server
 that does not answer is left out; when none does, the poll is None (the controller holds).
 """
@@ -32,7 +32,7 @@ class Load:
 
 VLLM_USE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 VLLM_PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
-VLLM_TOKEN_LATENCY = ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds")
+VLLM_TOKEN_LATENCY = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 
 
 @dataclass(frozen=True)
