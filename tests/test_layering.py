@@ -27,7 +27,7 @@ PACKAGES = ("bus", "workers", "trainer")
 RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bus", ("bus",)),
     ("config", ("workers.config", "workers.config_loader", "workers.batch_config", "workers.env_config",
-                "workers.slurm_config", "workers.monitor_config", "trainer.config")),
+                "workers.slurm_config", "workers.monitor_config", "workers.concurrency_config", "trainer.config")),
     ("shared runtime", ("workers.lifecycle", "trainer.weights", "trainer.broadcast", "trainer.lora", "trainer.model",
                         "trainer.durable")),
     ("roles", ("workers", "trainer")),
@@ -36,7 +36,7 @@ RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 STAGES: dict[str, set[str]] = {
     "feeder": {"feeder"},
-    "rollout": {"rollout", "episode", "gate", "traces"},
+    "rollout": {"rollout", "episode", "gate", "traces", "concurrency", "server_load"},
     "filter": {"filter", "advantages"},
     "packer": {"packer", "packing"},
 }

@@ -17,6 +17,7 @@ from bus.config import LogConfig, RedisConfig, Section
 from bus.messages import Mode
 from trainer.config import CkptConfig, TrainerConfig
 from workers.batch_config import FeederConfig, FilterConfig, PackerConfig
+from workers.concurrency_config import ConcurrencyConfig
 from workers.env_config import (
     EnvConfig,
     EvalConfig,
@@ -134,7 +135,10 @@ class RolloutConfig(Section):
     """Rollout worker processes ``rlbus run`` starts."""
 
     max_concurrent_groups: int = Field(4, ge=1)
-    """Groups one worker rolls out at once."""
+    """Groups one worker rolls out at once; with ``concurrency.adaptive`` the limit it starts at."""
+
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
+    """Adaptive concurrency: the limit moved with the inference servers' load."""
 
     tasks_per_minute: int | None = Field(None, ge=1)
     """Rate limit per worker; None = unlimited."""

@@ -21,6 +21,7 @@ refused whole (:class:`EngineOverloaded`, a 429).
 import concurrent.futures
 import inspect
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ class Engine:
         self.policy_version = policy_version
         self.generated_tokens = 0
         self.steps = 0
+        self.decode_s = 0.0
+        """Seconds spent in decode steps (over ``steps``: the latency per generated token of a sequence)."""
         self.prefills = 0
         self.max_queued = max_queued
         """Sequences that may wait for a batch slot (None: no bound)."""
@@ -231,7 +234,9 @@ class Engine:
                         if new:
                             self._prefill(new)
                         if self._seqs:
+                            started = time.perf_counter()
                             self._decode()
+                            self.decode_s += time.perf_counter() - started
                         self._failed_in_row = 0
                     except Exception as e:  # the step's requests fail; the engine goes on (or stops, see below)
                         self._step_failed(e, new)

@@ -209,7 +209,8 @@ class InferenceServer:
         return web.json_response({"status": "ok" if ok else "engine_dead", "policy_version": self.engine.policy_version,
                                   "active": self.engine.active, "queued": self.engine.queued_sequences,
                                   "counts": {**self.counts.totals, **self._counted_elsewhere()},
-                                  "steps": self.engine.steps,
+                                  "steps": self.engine.steps, "decode_s": self.engine.decode_s,
+                                  "max_batch_size": self.engine.max_batch_size,
                                   "prefills": self.engine.prefills,
                                   "generated_tokens": self.engine.generated_tokens}, status=200 if ok else 503)
 

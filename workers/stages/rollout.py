@@ -1,11 +1,11 @@
 """The rollout worker: ``tasks:{env}`` → scored groups in ``rollouts:{env}``.
 
 A member of consumer group ``rollout`` on every env's task stream. Up to
-``rollout.max_concurrent_groups`` groups run at once; each waits on the staleness gate, plays its
-episodes (:mod:`workers.stages.episode`) and commits the RolloutGroup together with the task's XACK in
-one MULTI, so a group is published once or not at all. A group waiting at the gate holds no slot:
-otherwise training tasks blocked while the eval hold pins ``served`` would fill every slot and the
-eval tasks that release the hold could never start (a deadlock). The feeder's ``inflight`` cap
+``rollout.max_concurrent_groups`` groups (or the adaptive limit, :mod:`workers.stages.concurrency`) run at
+once; each waits on the staleness gate, plays its episodes (:mod:`workers.stages.episode`) and commits the
+RolloutGroup together with the task's XACK in one MULTI, so a group is published once or not at all. A group
+waiting at the gate holds no slot: otherwise training tasks blocked while the eval hold pins ``served`` would fill
+every slot and the eval tasks that release the hold could never start (a deadlock). The feeder's ``inflight`` cap
 bounds how many training tasks can wait.
 
 - Failures: an attempt that raises is retried ``env.max_retries`` times, ``rollout.retry_delay_s``
@@ -42,8 +42,10 @@ from workers.env_config import EnvConfig, EvalEnvConfig, SamplingConfig
 from workers.envs.connect import start_env
 from workers.inference.client import InferenceClient, InferenceUnavailableError, OutageHold
 from workers.lifecycle import connect_bus, consumer_name, run_worker
+from workers.stages.concurrency import AimdController, adapt
 from workers.stages.episode import AnswerRunner, ChatTokens, GroupRunner, chat_answers, reference_answers
 from workers.stages.gate import StalenessGate
+from workers.stages.server_load import ServerLoad
 from workers.stages.traces import VerifiersReferenceRunner, VerifiersRunner
 
 
@@ -83,6 +85,13 @@ class RolloutWorker:
         self._stop = asyncio.Event()
         self._next_start = 0.0
         self.groups_done = 0
+        rollout = config.rollout
+        self.concurrency = AimdController(rollout.concurrency, rollout.max_concurrent_groups)
+        """The limit on groups in flight (fixed at ``max_concurrent_groups`` unless ``concurrency.adaptive``)."""
+        self._peak_busy = 0
+        """The most groups that ran at once since the controller last looked."""
+        self.servers: ServerLoad | None = None
+        """The inference servers' load, polled with ``concurrency.adaptive``."""
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -125,7 +134,8 @@ class RolloutWorker:
             self.vf_sft_runner = VerifiersRunner(teacher, served, cfg.model.path, cfg.teacher.api_key_var)
         self.vf_reference_runner = VerifiersReferenceRunner(cfg.model.path, served, inf.max_model_len)
         self.reference_runner = AnswerRunner(chat, inf.max_model_len, served, reference_answers, "reference")
-        self.log.info("rollout_ready", envs=list(self.envs), max_concurrent_groups=cfg.rollout.max_concurrent_groups)
+        self.log.info("rollout_ready", envs=list(self.envs), max_concurrent_groups=cfg.rollout.max_concurrent_groups,
+                      adaptive=cfg.rollout.concurrency.adaptive)
 
     def _client(self, base_urls: list[str], name: str, **settings) -> InferenceClient:
         """A client of one pool (the student's servers or the teacher's), with that pool's own settings."""
@@ -136,15 +146,18 @@ class RolloutWorker:
         return client
 
     async def run(self) -> None:
-        limit = self.config.rollout.max_concurrent_groups
         active: set[asyncio.Task] = set()
         heartbeat = asyncio.create_task(self.bus.keep_claimed(GROUP_ROLLOUT, lambda: self._running))
+        adapting = self._start_adapting()
         try:
             while not self._stop.is_set():
                 if heartbeat.done():
                     heartbeat.result()  # it gave up: the running tasks may be another worker's now
+                if adapting is not None and adapting.done():
+                    adapting.result()
                 await self.bus.trim_consumed_every(self.streams)
-                busy = len(active) - self._gated
+                busy, limit = len(active) - self._gated, self.concurrency.limit
+                self._peak_busy = max(self._peak_busy, busy)
                 if busy >= limit:
                     # Re-check every block_ms: a group that reaches the gate frees its slot without finishing.
                     await asyncio.wait(active, timeout=self.config.redis.block_ms / 1000,
@@ -162,7 +175,21 @@ class RolloutWorker:
                 await asyncio.gather(*active)
         finally:
             heartbeat.cancel()
+            if adapting is not None:
+                adapting.cancel()
         self.log.info("rollout_stopped", groups_done=self.groups_done)
+
+    def _start_adapting(self) -> asyncio.Task | None:
+        """``rollout.concurrency.adaptive``: the task that moves the limit with the servers' load (else None)."""
+        if not self.config.rollout.concurrency.adaptive:
+            return None
+        self.servers = ServerLoad(self.config.inference_urls(), self.clients[0].headers,
+                                  self.config.rollout.concurrency.interval_s)
+        return asyncio.create_task(adapt(self.concurrency, self.servers, self._take_peak_busy, self.log))
+
+    def _take_peak_busy(self) -> int:
+        peak, self._peak_busy = self._peak_busy, 0
+        return peak
 
     async def _rate_limit(self) -> bool:
         """tasks_per_minute: wait for the next start slot; False when a stop came first."""
@@ -270,7 +297,8 @@ class RolloutWorker:
                                                   "wait_gate_s": wait_gate_s,
                                                   "rollout/inference_wait_s": outage.held_s,
                                                   "rollout/env_wait_s": env_outage.held_s,
-                                                  "rollout/train_groups": float(task.eval_step is None)})
+                                                  "rollout/train_groups": float(task.eval_step is None),
+                                                  "rollout/concurrency_limit": float(self.concurrency.limit)})
         try:
             await self.bus.commit([(entry.stream, GROUP_ROLLOUT, entry.id)],
                                   [(self.bus.keys.rollouts(task.env), group), (self.bus.keys.metrics(), metric)],
@@ -319,6 +347,8 @@ class RolloutWorker:
         self.log.error("task_dead_lettered", task_id=task.task_id, env=task.env, reason=reason)
 
     async def close(self) -> None:
+        if self.servers is not None:
+            await self.servers.close()
         for client in self.clients:
             await client.close()
         for handle in self.handles.values():
