@@ -22,7 +22,8 @@ from pathlib import Path
 
 from tests.hosts import SimulatedHosts, netns_available
 
-SLURM_BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "nsenter")
+SLURM_BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel",
+                  "sinfo", "nsenter")
 NODE_CPUS = 16
 """CPUs each node claims (``SlurmdParameters=config_overrides``): room for every worker of a CPU run per node."""
 

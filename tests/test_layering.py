@@ -259,12 +259,15 @@ def test_the_rules_name_a_forbidden_import():
     violations = layer_violations(graph + planted)
     assert len(violations) == 5
     assert ("bus/streams.py:1 imports workers.config: bus module bus.streams imports config module workers.config; "
-            "a module imports only its own rank or a lower one (bus < config < shared runtime < roles)") in violations[0]
-    assert "trainer/config.py:6 imports trainer.losses: config module trainer.config imports roles module" in violations[1]
+            "a module imports only its own rank or a lower one (bus < config < shared runtime < roles)"
+            ) in violations[0]
+    assert ("trainer/config.py:6 imports trainer.losses: config module trainer.config imports roles module"
+            in violations[1])
     assert "stage 'packer' imports stage 'filter'" in violations[2]
     assert "trainer/worker.py:3 imports workers.run.eval" in violations[3]
     assert "workers/inference/server.py:4 imports workers.run.status" in violations[4]
     circle = circles(graph + [Import("bus.resp", "bus.codec", "bus/resp.py", 5)])
     assert ["bus.codec", "bus.resp"] in circle
     planted_calls = 'await bus.redis.xrange(key)\npipe.execute_command("XADD", key, "*", "a", 1)\nbus.publish(k, m)\n'
-    assert raw_stream_calls(planted_calls, "workers/x.py") == ["workers/x.py:1 calls xrange", "workers/x.py:2 calls xadd"]
+    assert raw_stream_calls(planted_calls, "workers/x.py") == ["workers/x.py:1 calls xrange",
+                                                                "workers/x.py:2 calls xadd"]

@@ -1,4 +1,5 @@
-"""Every message type survives the wire (as Redis hands it back: bytes keys and values); bad entries raise DecodeError."""
+"""Every message type survives the wire (as Redis hands it back: bytes keys and values); bad entries raise
+DecodeError."""
 
 import itertools
 import math

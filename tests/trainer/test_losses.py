@@ -31,7 +31,8 @@ def inputs(pi, mu, adv, teacher=None, mask=None):
 
 
 def test_dppo_masks_on_both_sides_of_each_threshold():
-    # Δp: +0.3 (A>0 masked), +0.15 (A>0 kept), +0.3 with A<0 (kept), −0.3 with A<0 (masked), −0.15 A<0 kept, −0.3 A>0 kept
+    # Δp: +0.3 (A>0 masked), +0.15 (A>0 kept), +0.3 with A<0 (kept), −0.3 with A<0 (masked), −0.15 A<0 kept,
+    # −0.3 A>0 kept
     pi = [0.5, 0.35, 0.5, 0.2, 0.35, 0.2]
     mu = [0.2, 0.2, 0.2, 0.5, 0.5, 0.5]
     adv = [1.0, 1.0, -1.0, -1.0, -2.0, 0.5]

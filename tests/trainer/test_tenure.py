@@ -109,7 +109,8 @@ async def test_a_checkpoint_newer_than_the_redis_it_resumes_onto_stops_the_run(t
     with pytest.raises(ConfigError, match="last published step 2, but checkpoint step_4 is newer"):
         await train(make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": -1}))
     # resuming from a checkpoint Redis is not behind (step 2) is the documented way on
-    await train(make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": 2}, run={"max_steps": 3}))
+    await train(make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": 2},
+                            run={"max_steps": 3}))
     assert redis_client.hget(Keys(run_name).state(), TRAINER_FIELD).decode().endswith("@3")
 
 

@@ -29,8 +29,9 @@ def batch_from(prompt: list[int], result, temperature: float) -> MicroBatch:
         adv += [0.0] * len(prompt) + [1.0 if i % 2 else -1.0] * n_c
         lengths.append(len(prompt) + n_c)
     return MicroBatch(step=1, index=0, count=1, mode="rl", input_ids=np.array(ids, np.int32),
-                      position_ids=np.array(pos, np.int32), loss_mask=np.array(mask), advantages=np.array(adv, np.float32),
-                      inference_logprobs=np.array(inf, np.float32), temperatures=np.full(len(ids), temperature, np.float32),
+                      position_ids=np.array(pos, np.int32), loss_mask=np.array(mask),
+                      advantages=np.array(adv, np.float32), inference_logprobs=np.array(inf, np.float32),
+                      temperatures=np.full(len(ids), temperature, np.float32),
                       sample_lengths=np.array(lengths, np.int32), policy_versions=np.zeros(len(lengths), np.int32),
                       rewards=np.zeros(len(lengths), np.float32))
 

@@ -174,7 +174,8 @@ async def test_prune_keeps_served_steps_and_the_eval_hold(tmp_path, bus, run_nam
     for step in range(1, 6):
         (tmp_path / "weights" / f"step_{step}").mkdir(parents=True)
     worker = TrainerWorker.__new__(TrainerWorker)  # only what _prune uses: no model, no process group
-    worker.output_dir, worker.cfg, worker.log = tmp_path, SimpleNamespace(keep_weights=1, kl_penalty_reference_step=None), get_logger()
+    worker.cfg = SimpleNamespace(keep_weights=1, kl_penalty_reference_step=None)
+    worker.output_dir, worker.log = tmp_path, get_logger()
 
     async with bus("trainer") as b:
         worker.bus, worker.tracker = b, PolicyTracker(b)
@@ -194,7 +195,8 @@ async def test_a_trainer_resuming_onto_an_empty_redis_restores_the_data_position
     for key in redis_client.scan_iter(match=f"rlbus:{{{run_name}}}:*"):  # Redis lost the run (FLUSHALL, a new volume)
         redis_client.delete(key)
     await publish_steps(bus, range(3, 4))
-    await train(make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": -1}, run={"max_steps": 3}))
+    await train(make_config(redis_url, run_name, tmp_path / "a", model_dir, ckpt={"resume_step": -1},
+                            run={"max_steps": 3}))
     restored = {k.decode(): v.decode() for k, v in redis_client.hgetall(state).items()}
     assert {k: restored[k] for k in ("feeder:cursor:e", "feeder:epoch:e", "eval:done:x", "packer:last_step")} == {
         "feeder:cursor:e": "40", "feeder:epoch:e": "2", "eval:done:x": "0", "packer:last_step": "2"}

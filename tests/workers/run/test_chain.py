@@ -62,7 +62,8 @@ class StandIn:
         why = self.stopped_because.get(name, "max_steps")
         (out / "summary.json").write_text(json.dumps({"steps_trained": steps, "wall_s": 1.0, "stopped_because": why,
                                                       "eval": {"0": {"eval/x/reward": 0.1}}}))
-        (out / "metrics.jsonl").write_text(json.dumps({"source": "packer", "step": 1, "packer/reward_mean": 0.5}) + "\n")
+        row = {"source": "packer", "step": 1, "packer/reward_mean": 0.5}
+        (out / "metrics.jsonl").write_text(json.dumps(row) + "\n")
         return (0 if why == "max_steps" else 1), why
 
 

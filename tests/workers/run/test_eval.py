@@ -51,15 +51,15 @@ def eval_config(redis_url: str, run_name: str, timeout_s: float | None) -> Rlbus
     return RlbusConfig.model_validate({
         "run": {"name": run_name, "max_steps": 10},
         "redis": {"url": redis_url, "block_ms": 50},
-        "eval": {"interval": 5, "timeout_s": timeout_s, "env": [{"id": "reverse_text", "name": "rev_eval", "num_examples": 3,
-                                                   "group_size": 1}]},
+        "eval": {"interval": 5, "timeout_s": timeout_s,
+                 "env": [{"id": "reverse_text", "name": "rev_eval", "num_examples": 3, "group_size": 1}]},
     })
 
 
 def eval_group(task: Task, reward: float) -> RolloutGroup:
     sample = Sample(prompt_ids=[1], completion_ids=[2], completion_logprobs=[-1.0], loss_mask=[True], reward=reward)
-    return RolloutGroup(task_id=task.task_id, env=task.env, example_id=task.example_id, example_index=task.example_index,
-                        eval_step=task.eval_step, samples=[sample])
+    return RolloutGroup(task_id=task.task_id, env=task.env, example_id=task.example_id,
+                        example_index=task.example_index, eval_step=task.eval_step, samples=[sample])
 
 
 async def test_a_dead_lettered_eval_task_counts_as_done_and_a_stuck_eval_times_out(bus, redis_url, run_name):

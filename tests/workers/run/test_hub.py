@@ -24,9 +24,9 @@ def test_an_uncached_hub_id_offline_stops_the_run_in_one_line(tmp_path, monkeypa
     config = RlbusConfig.model_validate({"model": {"path": "rlbus-test/not-cached"}})
     with pytest.raises(ConfigError) as e:
         check_models(config)
-    assert str(e.value) == ("model.path='rlbus-test/not-cached' is a hub id not in the local cache and HF_HUB_OFFLINE "
-                            "is set; download it where the hub is reachable (`hf download rlbus-test/not-cached`) or set "
-                            "model.path to a local folder")
+    assert str(e.value) == ("model.path='rlbus-test/not-cached' is a hub id not in the local cache and "
+                            "HF_HUB_OFFLINE is set; download it where the hub is reachable "
+                            "(`hf download rlbus-test/not-cached`) or set model.path to a local folder")
 
 
 def test_dry_run_fetches_no_model_and_stops_only_where_none_could_be_fetched(tmp_path, monkeypatch):

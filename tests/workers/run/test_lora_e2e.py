@@ -1,5 +1,5 @@
-"""`rlbus run @ configs/lora.toml`, with a shorter LoRA stage: it learns on CPU with the built-in server (held-out greedy
-reward up by a margin over what the full SFT stage before it reached), publishing only adapters."""
+"""`rlbus run @ configs/lora.toml`, with a shorter LoRA stage: it learns on CPU with the built-in server (held-out
+greedy reward up by a margin over what the full SFT stage before it reached), publishing only adapters."""
 
 import time
 
@@ -33,4 +33,5 @@ def test_a_lora_stage_learns_and_publishes_only_adapters(tmp_path, tiny_model_di
     assert {p.name for p in last.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST_NAME}
     whole = sum(p.stat().st_size for p in (out / "sft" / "weights" / "step_100").glob("*.safetensors"))
     assert (last / ADAPTER_WEIGHTS).stat().st_size < 0.25 * whole
-    print(f"lora e2e: sft {held_out(sft, 100):.3f} -> lora {held_out(lora, 75):.3f} in {time.monotonic() - started:.0f}s")
+    print(f"lora e2e: sft {held_out(sft, 100):.3f} -> lora {held_out(lora, 75):.3f} "
+          f"in {time.monotonic() - started:.0f}s")

@@ -40,7 +40,8 @@ async def test_the_private_redis_refuses_a_client_without_the_runs_password(tmp_
         assert not processes_mentioning(password), "the password is on a command line"
         with redis.Redis.from_url(run_redis_url(out)) as client:
             assert client.ping()
-        inspect = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "@", str(out / "config.resolved.toml")],
+        inspect = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "@",
+                                  str(out / "config.resolved.toml")],
                                  capture_output=True, text=True, cwd=REPO, timeout=60)
         assert inspect.returncode == 0 and "tasks:echo_chars" in inspect.stdout, inspect.stdout + inspect.stderr
         assert wait_exit(proc, out, 120) == 0, stdout_of(out)[-4000:]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from workers.run.report import build_summary, rollout_tokens_per_s, train_reward, write_report
+from workers.run.report import build_summary, rollout_tokens_per_s, stale_fraction, train_reward, write_report
 
 
 def _rows():
@@ -24,7 +24,8 @@ def test_report_series_and_summary(tmp_path):
     rows = _rows()
     assert train_reward(rows)[4] == 0.9  # replays of batches alone: the trainer's reward
     with_packer = rows + [{"id": "4-9", "source": "packer", "step": 4, "at": 105.0, "packer/reward_mean": 0.3}]
-    assert train_reward(with_packer) == {4: 0.3}  # the policy's reward (every sample), not the filtered ones    assert stale_fraction(rows)[3] == pytest.approx(1 / 5)
+    assert train_reward(with_packer) == {4: 0.3}  # the policy's reward (every sample), not the filtered ones
+    assert stale_fraction(rows)[3] == pytest.approx(1 / 5)
     assert rollout_tokens_per_s(rows)[2] == pytest.approx(400.0)
     summary = build_summary(rows, run="r", steps_trained=5, max_steps=5, wall_s=12.0, groups={"produced": 1},
                             restarts={"trainer": 1}, stopped_because="max_steps")
@@ -42,7 +43,8 @@ def test_bench_numbers_leave_out_the_warm_up_step():
 
     rows = [{"id": f"{s}", "source": "trainer", "step": s, "at": 100.0 + s, "step_time_s": 9.0 if s == 1 else 0.5,
              "tokens_per_s": 100.0 * s, "wait_s": 0.1} for s in range(1, 5)]
-    rows += [{"id": f"p{s}", "source": "packer", "step": s, "at": 99.0 + s, "packer/tokens": 200.0} for s in range(1, 5)]
+    rows += [{"id": f"p{s}", "source": "packer", "step": s, "at": 99.0 + s, "packer/tokens": 200.0}
+             for s in range(1, 5)]
     numbers = bench_numbers(rows)
     assert numbers == {"steps": 3.0, "step_s": 0.5, "train_tokens_per_s": pytest.approx(300.0),
                        "trainer_idle_s": pytest.approx(0.1), "rollout_tokens_per_s": pytest.approx(200.0)}

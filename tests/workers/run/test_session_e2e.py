@@ -1,4 +1,5 @@
-"""`rlbus run` end to end with real processes on the tiny model: counts, kill -9 of every role, resume, replay, learning.
+"""`rlbus run` end to end with real processes on the tiny model: counts, kill -9 of every role, resume, replay,
+learning.
 
 Each test starts `python -m workers.cli run` as a subprocess (plain log lines: stdout is a file) and
 reads what it left: summary.json, metrics.jsonl, the streams.
@@ -139,7 +140,8 @@ def assert_counts_add_up(groups: dict) -> None:
 def test_a_few_steps_end_to_end(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     started = time.monotonic()
-    proc = start_run(out, tiny_model_dir, "--run.max_steps", "3", "--eval.interval", "2", "--eval.env.0.num_examples", "8")
+    proc = start_run(out, tiny_model_dir, "--run.max_steps", "3", "--eval.interval", "2",
+                     "--eval.env.0.num_examples", "8")
     assert wait_exit(proc, out, 120) == 0, stdout_of(out)[-4000:]
     assert time.monotonic() - started < 60
     s = summary(out)
@@ -227,8 +229,9 @@ def test_a_run_whose_data_runs_out_trains_its_last_partial_step_and_ends(tmp_pat
 def test_kill_9_of_each_role_still_reaches_max_steps(tmp_path, tiny_model_dir, redis_url, run_name):
     out = tmp_path / "run"
     steps = 20
-    proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--run.name", run_name, "--redis.url", redis_url,
-                     "--redis.claim_idle_ms", "2000", "--ckpt.interval", "1", "--eval.env", "none",
+    proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--run.name", run_name,
+                     "--redis.url", redis_url, "--redis.claim_idle_ms", "2000", "--ckpt.interval", "1",
+                     "--eval.env", "none",
                      "--trainer.keep_batches", "0", "--trainer.lease_ttl_s", "2")  # every batches:{s} stays
     kills = [(2, "rollout"), (4, "filter"), (6, "packer"), (8, "trainer"), (10, "inference"), (12, "env")]
     for at, role in kills:

@@ -45,7 +45,8 @@ def test_supervisor_restarts_failed_child_with_backoff(tmp_path):
 def test_a_child_that_fails_on_its_config_is_not_restarted(tmp_path):
     events = []
     sup = Supervisor(tmp_path, on_event=lambda e, i: events.append((e, i)), backoff_initial_s=0.1)
-    sup.start(ChildSpec("bad", "feeder", [sys.executable, "-c", "import sys; print('rlbus feeder: bad value'); sys.exit(2)"]))
+    bad = "import sys; print('rlbus feeder: bad value'); sys.exit(2)"
+    sup.start(ChildSpec("bad", "feeder", [sys.executable, "-c", bad]))
     assert _wait(lambda: (sup.poll(), sup.done("bad"))[1])
     time.sleep(0.3)
     sup.poll()

@@ -136,7 +136,8 @@ def run_to_the_end(out: Path, model: Path, *overrides: str, config: Path) -> dic
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sft_on_a_tasksets_answers_makes_a_teacher_that_sft_and_opd_train_a_fresh_student_from(tmp_path, tiny_model_dir):
+def test_sft_on_a_tasksets_answers_makes_a_teacher_that_sft_and_opd_train_a_fresh_student_from(
+        tmp_path, tiny_model_dir):
     config = write_config(tmp_path)
     sft = run_to_the_end(tmp_path / "reference", tiny_model_dir, "--run.max_steps", "40", "--eval.interval", "40",
                          "--env.0.mode", "sft", "--env.0.sft_source", "reference", "--env.0.group_size", "1",

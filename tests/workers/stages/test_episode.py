@@ -64,7 +64,8 @@ class TwoTurnEnv:
     async def step(self, index, messages, state):
         turn = state["turn"] + 1
         done = turn >= 2
-        return {"messages": [] if done else [{"role": "user", "content": "again"}], "done": done, "state": {"turn": turn}}
+        messages = [] if done else [{"role": "user", "content": "again"}]
+        return {"messages": messages, "done": done, "state": {"turn": turn}}
 
     async def score(self, index, messages, state):
         return {"reward": float(sum(m["role"] == "assistant" for m in messages)), "metrics": {"turns": state["turn"]}}

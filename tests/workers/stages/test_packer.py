@@ -1,4 +1,5 @@
-"""The packer worker against a real redis-server: staleness, kill -9 between read and commit, held groups, partial steps."""
+"""The packer worker against a real redis-server: staleness, kill -9 between read and commit, held groups, partial
+steps."""
 
 import asyncio
 import os

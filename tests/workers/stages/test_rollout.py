@@ -59,7 +59,8 @@ class Stack:
                           "num_threads": 1, "max_retries": 0},
             "rollout": {"retry_delay_s": 0.05, **rollout},
         }
-        text = "".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in body.items()) for name, body in sections.items())
+        text = "".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in body.items())
+                       for name, body in sections.items())
         text += "".join("[[env]]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in env.items()) for env in envs)
         path = self.tmp / f"{uuid.uuid4().hex[:6]}.toml"
         path.write_text(text)

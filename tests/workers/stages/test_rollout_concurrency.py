@@ -1,4 +1,5 @@
-"""A rollout worker with adaptive concurrency against a real built-in inference server (workers/stages/concurrency.py)."""
+"""A rollout worker with adaptive concurrency against a real built-in inference server
+(workers/stages/concurrency.py)."""
 
 import asyncio
 import time

@@ -103,8 +103,8 @@ def test_every_field_has_a_docstring_and_the_page_is_current():
 
 
 def rlbus_convert(*args, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workers.cli", "config", "convert", "--from", "prime-rl", *map(str, args)],
-                          cwd=cwd, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "workers.cli", "config", "convert", "--from", "prime-rl",
+                           *map(str, args)], cwd=cwd, capture_output=True, text=True)
 
 
 def test_a_combined_config_converts_and_convert_says_what_would_stop_the_run(tmp_path):

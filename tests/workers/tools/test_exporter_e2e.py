@@ -191,8 +191,9 @@ def test_no_progress_alert_fires_on_a_stopped_trainer_and_clears_when_it_resumes
 @pytest.mark.timeout(60)
 def test_inspect_latency_prints_every_hop_of_the_live_run(scraped_run):
     proc, out, _ = scraped_run
-    done = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "--run", RUN, "--redis-url", run_redis_url(out),
-                           "--latency", "4"], capture_output=True, text=True, cwd=REPO, timeout=40)
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "inspect", "--run", RUN,
+                           "--redis-url", run_redis_url(out), "--latency", "4"],
+                          capture_output=True, text=True, cwd=REPO, timeout=40)
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[2:]}
     assert set(rows) == {"queued", "generating", "filtering", "packing", "training"}, done.stdout

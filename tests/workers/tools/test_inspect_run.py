@@ -13,7 +13,8 @@ from workers.tools.inspect_run import audit, format_audit, format_latency, laten
 def micro_batch(step: int, task_ids: list[str], indices: list[int]) -> MicroBatch:
     k = len(task_ids)
     return MicroBatch(step=step, index=0, count=1, mode="rl", input_ids=np.ones(k, np.int32),
-                      position_ids=np.zeros(k, np.int32), loss_mask=np.ones(k, bool), advantages=np.zeros(k, np.float32),
+                      position_ids=np.zeros(k, np.int32), loss_mask=np.ones(k, bool),
+                      advantages=np.zeros(k, np.float32),
                       inference_logprobs=np.zeros(k, np.float32), temperatures=np.ones(k, np.float32),
                       sample_lengths=np.ones(k, np.int32), policy_versions=np.zeros(k, np.int32),
                       rewards=np.zeros(k, np.float32), task_ids=task_ids, sample_indices=np.array(indices, np.int32))
