@@ -171,8 +171,9 @@ def _serve_tcp(tmp_path, *flags: str) -> tuple[subprocess.Popen, str, object]:
 
     address = f"tcp://127.0.0.1:{free_port()}"
     log = tmp_path / f"env-{len(list(tmp_path.glob('env-*.log')))}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "env", "--id", "echo_chars", "--bind", address,
-                             *flags], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # the child writes to its own copy
+        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "env", "--id", "echo_chars", "--bind", address,
+                                 *flags], stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while "env_server_started" not in log.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
