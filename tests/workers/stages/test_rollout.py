@@ -406,7 +406,8 @@ async def test_tasks_held_while_an_env_server_at_its_address_is_down(stack, tmp_
             "--name", name, "--args", '{"step_s": 0.01}', "--bind", address]
 
     def serve() -> subprocess.Popen:
-        proc = subprocess.Popen(argv, stdout=open(tmp_path / "env.log", "a"), stderr=subprocess.STDOUT)
+        with open(tmp_path / "env.log", "a") as log:  # the child writes to its own copy
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         stack.procs.append(proc)
         return proc
 

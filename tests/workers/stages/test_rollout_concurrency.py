@@ -36,7 +36,11 @@ async def test_adaptive_concurrency_grows_past_its_floor_while_the_server_has_ro
         await worker.close()
     changes = [e for e in logs if e["event"] == "rollout_concurrency"]
     assert worker.concurrency.limit >= 4, changes
-    assert [e["limit"] for e in changes if e["reason"] == "headroom"][:3] == [2, 3, 4]
+    limit = 1  # each growth adds one group to the limit it had (a cut between two, on a busy box, is allowed)
+    for change in changes:
+        assert change["reason"] != "headroom" or change["limit"] == limit + 1, changes
+        limit = change["limit"]
+    assert {2, 3, 4} <= {e["limit"] for e in changes if e["reason"] == "headroom"}, changes
     metrics = [Metric.from_fields(f) for _, f in stack.redis.xrange(stack.keys.metrics())]
     assert max(m.values.get("rollout/concurrency_limit", 0) for m in metrics) >= 2
 
