@@ -105,6 +105,8 @@ def resolve(config: RlbusConfig, *, redis_url: str, base_urls: list[str], thread
     _set(data, "redis.url", url)
     if password is not None and config.redis.password_var is None:
         _set(data, "redis.password_var", CHILD_PASSWORD_VAR)
+    if config.redis.password_file is not None:  # set by `rlbus run` for its private Redis: written even when the
+        _set(data, "redis.password_file", config.redis.password_file)  # user's config has no [redis] section
     if base_urls:
         _set(data, "inference.base_urls", base_urls)
     if teacher_urls:

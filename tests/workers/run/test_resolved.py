@@ -46,3 +46,18 @@ def test_a_password_in_the_redis_url_reaches_children_through_the_environment_on
     assert data["redis"]["password_var"] == "RLBUS_REDIS_PASSWORD"
     assert child_password(config, url) == {"RLBUS_REDIS_PASSWORD": "hunter2"}
     assert child_password(config, "redis://127.0.0.1:1/0") == {}
+
+
+def test_the_private_redis_password_file_reaches_children_whose_config_has_no_redis_section(tmp_path):
+    """`rlbus run` names its private Redis's password file on the parsed config; a config without a [redis] section
+    (its section unset) must still hand it to the children. Before, only the OpenEnv e2e run caught it: every child
+    failed AUTH."""
+    source = tmp_path / "run.toml"
+    source.write_text('[[env]]\nid = "echo_chars"\n')
+    config = load_config([source])
+    config.redis.password_file = str(tmp_path / "password")
+    data = resolve(config, redis_url="redis://127.0.0.1:1/0", base_urls=[], threads=1)
+    assert data["redis"]["password_file"] == str(tmp_path / "password")
+    written = tmp_path / "config.resolved.toml"
+    written.write_text(dump_toml(data))
+    assert load_config([written]).redis.password_file == str(tmp_path / "password")
