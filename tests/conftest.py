@@ -8,6 +8,7 @@ to the loop it was made in::
             await b.publish(b.keys.metrics(), ...)
 """
 
+import gc
 import os
 import uuid
 from contextlib import asynccontextmanager
@@ -81,3 +82,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from workers.tools.init_model import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny", seed=0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Collect garbage once a test module is done, so what its tests left unclosed (a socket, an event loop) warns,
+    and with warnings as errors fails, in that module's last test, not in whichever later test the collector runs."""
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,19 @@ def task(index: int, group_size: int = 4, mode: str = "rl"):
 
 
 SAMPLING = SamplingConfig(temperature=1.0, max_completion_tokens=6)
+
+
+def generated_tokens(server) -> float:
+    """The inference server's own count of the tokens it has sampled (its Prometheus counter)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("rlbus_inference_generated_tokens_total{"))
+
+
+def model_spans(loss_mask) -> int:
+    """How many runs of model-sampled tokens the completion holds (one per model turn)."""
+    mask = loss_mask.astype(int)
+    return int(mask[0] + ((mask[1:] - mask[:-1]) == 1).sum())
 
 
 def test_a_prime_rl_env_block_validates_and_defaults_to_the_in_process_harness():
@@ -138,9 +152,13 @@ async def test_multi_turn_env_replies_are_never_trained_and_every_model_turn_is_
     env = EnvConfig(taskset={"id": "rlbus-test-repeat", "num_tasks": 8, "turns": 2}, group_size=2)
     handle = await VerifiersHandle.start(env)
     try:
+        generated_before = generated_tokens(server)
         samples, _ = await vf_runner.run(task(1, group_size=2), handle, SAMPLING, max_turns=2)
-        sampled = sum(int(s.loss_mask.sum()) for s in samples)
-        assert sampled == 2 * 2 * 6  # 2 episodes x 2 model turns x 6 tokens (the random model never stops early)
+        trained = sum(int(s.loss_mask.sum()) for s in samples)
+        # every token the server sampled for this group is trained once (a model turn that stopped early included)
+        assert trained == generated_tokens(server) - generated_before > 0
+        # 2 episodes x 2 model turns, each turn in exactly one sample (a sample per turn when the prompt re-renders)
+        assert all(s.turns == 2 for s in samples) and sum(model_spans(s.loss_mask) for s in samples) == 2 * 2
         for s in samples:
             assert (s.completion_logprobs[~s.loss_mask] == 0).all() and (s.completion_logprobs[s.loss_mask] < 0).all()
             assert s.reward in (0.0, 0.5, 1.0)

@@ -42,6 +42,7 @@ class ChatOnlyTeacher:
 
     def _serve(self) -> None:
         async def main():
+            self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             app = web.Application()
             app.add_routes([web.post("/v1/chat/completions", self.chat), web.get("/v1/models", self.models)])
@@ -52,8 +53,7 @@ class ChatOnlyTeacher:
             await self._stop.wait()
             await runner.cleanup()
 
-        self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(main())
+        asyncio.run(main())  # closes its loop (and the loop's self-pipe) when the server stops
 
 
 @pytest.mark.slow
