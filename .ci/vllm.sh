@@ -32,5 +32,5 @@ fi
 
 # -W default: vLLM's own stack (its transformers, its deprecations) warns at import; those are reported, not
 # errors (the main suite, on rlbus's own dependencies, keeps pyproject's warnings-as-errors).
-"$VENV/bin/python" -m pytest -q -W default -m vllm tests/workers/inference/test_vllm.py tests/workers/inference/test_vllm_lora.py \
+"$VENV/bin/python" -m pytest -q -W default -m vllm --durations=10 tests/workers/inference/test_vllm.py tests/workers/inference/test_vllm_lora.py \
     tests/workers/run/test_vllm_e2e.py tests/workers/run/test_vllm_lora_e2e.py
