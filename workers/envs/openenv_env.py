@@ -1,4 +1,4 @@
-"""OpenEnv environments (openenv-core's env-server protocol: reset, step, state over a WebSocket session).
+"""OpenEnv environments (OpenEnv's env-server protocol: reset, step, state over a WebSocket session).
 
     [[env]]
     name = "hotcold"
@@ -38,7 +38,8 @@ from workers.lifecycle import die_with_parent, stop_child
 
 
 def require_openenv() -> Any:
-    """openenv-core's generic client class; a one-line ConfigError naming the install command when it is missing."""
+    """OpenEnv's generic client class (the ``openenv`` package); a one-line ConfigError naming the install command
+    when it is missing."""
     if importlib.util.find_spec("openenv") is None:
         raise ConfigError(f"an OpenEnv [[env]] (openenv = ...) needs the openenv extra: {OPENENV_INSTALL}")
     return importlib.import_module("openenv.core.generic_client").GenericEnvClient

@@ -1,4 +1,4 @@
-"""OpenEnv envs: a text game written here (``openenv_games/rlbus_test_hotcold``, openenv-core's own server) played
+"""OpenEnv envs: a text game written here (``openenv_games/rlbus_test_hotcold``, OpenEnv's own server) played
 through :class:`OpenEnvHandle`, the calls the rollout worker makes for any multi-turn env."""
 
 import asyncio
