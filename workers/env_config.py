@@ -129,6 +129,11 @@ class EnvConfig(Section):
     """verifiers: the agent seat as verifiers' ``AgentConfig`` takes it (``harness``, ``runtime``, ``max_turns``,
     ``timeout``, ...); unset harness: ``rlbus-chat`` (in-process), unset runtime: ``subprocess``."""
 
+    seats: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """verifiers: the env's other agent seats by name, each as ``agent`` takes it (verifiers' openenv taskset seats
+    a ``player``). A table written beside ``taskset`` under a seat's name (``player = {max_turns = 4}``, as prime-rl
+    writes it) lands here; verifiers rejects a name its env has no seat for."""
+
     timeout: dict[str, Any] = Field(default_factory=dict)
     """verifiers: the env's own timeouts in seconds (``{episode = 120, finalize = 30}``); {}: none."""
 
@@ -212,8 +217,21 @@ class EnvConfig(Section):
 
     @property
     def roles(self) -> dict[str, dict[str, Any]]:
-        """verifiers: the agent seats this block sets."""
-        return {} if self.agent is None else {"agent": dict(self.agent)}
+        """verifiers: the agent seats this block sets, by seat name."""
+        agent = {} if self.agent is None else {"agent": dict(self.agent)}
+        return {**agent, **{name: dict(seat) for name, seat in self.seats.items()}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_seats(cls, data: Any) -> Any:
+        """A verifiers block's tables under names rlbus does not know are its seats (``player = {...}``)."""
+        if not isinstance(data, dict) or data.get("taskset") is None:
+            return data
+        known = set(cls.model_fields) | {"rollouts_per_example", "num_workers"}
+        seats = {k: v for k, v in data.items() if k not in known and isinstance(v, dict)}
+        if not seats:
+            return data
+        return {**{k: v for k, v in data.items() if k not in seats}, "seats": {**data.get("seats", {}), **seats}}
 
     @model_validator(mode="before")
     @classmethod
@@ -241,7 +259,8 @@ class EnvConfig(Section):
             if not self.id:
                 raise ValueError('an env needs id = "..." (an rlbus env), taskset = {id = "..."} (verifiers v1) or '
                              'openenv = {app = "..."} (OpenEnv)')
-            stray = [f for f in ("agent", "timeout", "pool", "max_tasks") if getattr(self, f) not in (None, {})]
+            verifiers_fields = ("agent", "seats", "timeout", "pool", "max_tasks")
+            stray = [f for f in verifiers_fields if getattr(self, f) not in (None, {})]
             if stray:
                 raise ValueError(f"{stray} are verifiers fields; set taskset = {{id = ...}} or drop them")
             return self

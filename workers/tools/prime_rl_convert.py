@@ -58,6 +58,19 @@ def verifiers_items(source: dict) -> set[tuple[str, int]]:
     return out
 
 
+def seat(source: dict, path: str, indices: list[int], rows: dict[str, Target]) -> Target | None:
+    """A table beside a verifiers ``taskset`` under a name no row knows (``player = {…}``) is one of that env's
+    agent seats: carried whole to the same name in its ``[[env]]`` (verifiers checks the name when the run starts)."""
+    parent, _, name = path.rpartition(".")
+    taskset = rows.get(f"{parent}.taskset")
+    beside_taskset = isinstance(_get(source, indexed(f"{parent}.taskset", indices)), dict)
+    if taskset is None or taskset.key is None or not beside_taskset:
+        return None
+    if not isinstance(_get(source, indexed(path, indices)), dict):
+        return None
+    return Target(taskset.key.removesuffix(".taskset") + f".{name}", "a verifiers agent seat: 1:1", whole=True)
+
+
 def convert(source: dict) -> Conversion:
     """The rlbus config of a combined prime-rl config, with what carried and what did not."""
     verifiers = verifiers_items(source)
@@ -69,10 +82,11 @@ def convert(source: dict) -> Conversion:
     out = Conversion()
     def stop(path: str, indices: list[int]) -> bool:
         rows = table(path, indices)
-        return stops(rows.get(path), path in PARENTS[id(rows)])
+        return stops(rows.get(path) or seat(source, path, indices, rows), path in PARENTS[id(rows)])
 
     for path, indices, value in flatten(source, stop):
-        _carry(out, path, indices, value, lookup(path, table(path, indices)))
+        rows = table(path, indices)
+        _carry(out, path, indices, value, lookup(path, rows) or seat(source, path, indices, rows))
     _final_checkpoint(out)
     _defaults(out, source)
     return out

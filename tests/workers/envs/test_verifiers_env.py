@@ -93,6 +93,20 @@ def test_a_prime_rl_env_block_validates_and_defaults_to_the_in_process_harness()
     assert data["agent"]["runtime"]["type"] == "subprocess"
 
 
+def test_a_seat_of_another_name_is_written_beside_the_taskset_as_verifiers_names_it():
+    """verifiers' openenv taskset seats a ``player``: its table pastes in under that name, defaulted like ``agent``."""
+    env = EnvConfig.model_validate({"taskset": {"id": "openenv", "base_url": "http://127.0.0.1:9"},
+                                    "player": {"max_turns": 2}})
+    assert env.seats == {"player": {"max_turns": 2}}
+    data = vf_config_data(env)
+    assert data["player"]["max_turns"] == 2 and data["player"]["harness"]["id"] == "rlbus-chat"
+    assert EnvConfig.model_validate(env.model_dump()).seats == env.seats  # config.resolved.toml reads back
+    with pytest.raises(ConfigError, match="verifiers rejects its config: .*palyer"):
+        vf_config_data(EnvConfig.model_validate({"taskset": {"id": "rlbus-test-echo"}, "palyer": {"max_turns": 2}}))
+    with pytest.raises(ValidationError, match="player"):
+        EnvConfig.model_validate({"id": "echo_chars", "player": {"max_turns": 2}})
+
+
 def test_config_mistakes_say_what_to_do(monkeypatch):
     with pytest.raises(ValidationError, match="verifiers fields"):
         EnvConfig(id="echo_chars", agent={"harness": {"id": "null"}})

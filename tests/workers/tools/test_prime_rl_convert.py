@@ -138,6 +138,19 @@ def test_a_current_source_converts_its_verifiers_env_one_to_one():
     assert conversion.faithful and "env[0].ratio" in conversion.defaults
 
 
+def test_a_seat_of_another_name_carries_in_every_verifiers_env_form():
+    seat = {"player": {"max_turns": 2, "harness": {"id": "null"}}}
+    block = {"taskset": {"id": "openenv", "base_url": "http://127.0.0.1:9"}, **seat}
+    for source in ({"orchestrator": {"train": {"env": [block]}, "eval": {"env": [block]}}},
+                   {"orchestrator": {"env": block}}):
+        conversion = convert(source)
+        assert conversion.faithful, conversion.left
+        envs = conversion.data["env"] + conversion.data.get("eval", {}).get("env", [])
+        assert all(env["player"] == seat["player"] for env in envs)
+    left = convert({"orchestrator": {"train": {"env": [{"id": "reverse_text", "player": {"max_turns": 2}}]}}}).left
+    assert [path for path, _ in left] == ["orchestrator.train.env[0].player.max_turns"]
+
+
 def test_differing_defaults_are_written_with_a_comment():
     conversion = convert({"orchestrator": {"seq_len": 512, "train": {"env": [{"id": "reverse_text"}]}},
                           "wandb": {"name": "x"}})
