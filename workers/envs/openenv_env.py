@@ -34,7 +34,7 @@ from bus.errors import ConfigError, EnvUnavailableError, RpcError
 from bus.local_redis import free_port
 from bus.log import get_logger
 from workers.env_config import OPENENV_INSTALL, EnvConfig
-from workers.lifecycle import die_with_parent, stop_child
+from workers.envs.spawned import ServerHandle
 
 
 def require_openenv() -> Any:
@@ -45,10 +45,11 @@ def require_openenv() -> Any:
     return importlib.import_module("openenv.core.generic_client").GenericEnvClient
 
 
-class OpenEnvHandle:
+class OpenEnvHandle(ServerHandle):
     """One OpenEnv server (spawned and owned unless ``base_url`` is set), one session per episode."""
 
     def __init__(self, env: EnvConfig, timeout_s: float):
+        super().__init__()
         self.env_config = env
         self.cfg = env.openenv
         self.name = env.resolved_name
@@ -58,7 +59,6 @@ class OpenEnvHandle:
         self.restarts = 0
         self.sessions: dict[str, Any] = {}
         """Open episode sessions by id (the id rides in the episode's state)."""
-        self._process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._client_cls: Any = None
         self.log = get_logger(worker="env_handle", env=self.name)
@@ -66,18 +66,10 @@ class OpenEnvHandle:
     @classmethod
     async def start(cls, env: EnvConfig, timeout_s: float = 30.0, serve: bool = True) -> "OpenEnvHandle":
         handle = cls(env, timeout_s)
-        if serve:
-            handle._client_cls = require_openenv()
-            try:
-                await handle._ensure_server()
-            except BaseException:
-                await handle.close()
-                raise
-        return handle
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        if not serve:
+            return handle
+        handle._client_cls = require_openenv()
+        return await handle._connected(handle._ensure_server())
 
     async def info(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.cfg.num_episodes, "max_turns": self.env_config.max_turns}
@@ -120,7 +112,7 @@ class OpenEnvHandle:
     async def close(self) -> None:
         for session in list(self.sessions):
             await self._close_session(session)
-        await self._stop_process()
+        await super().close()
 
     async def _open(self, index: int) -> tuple[str, Any]:
         client = self._client_cls(base_url=self.base_url, message_timeout_s=self.timeout_s)
@@ -160,12 +152,13 @@ class OpenEnvHandle:
         """Spawn the server (again, if it died) and wait for its ``/health``; an external one is left as it is.
         A restart that fails is EnvUnavailableError (the rollout worker holds the task)."""
         async with self._lock:
-            if self.spawned and (self._process is None or self._process.returncode is not None):
-                if self._process is None:
+            exited = self._server.exited
+            if self.spawned and (exited is None or exited.done()):
+                if exited is None:
                     await self._spawn()
                     return
                 self.restarts += 1
-                self.log.warning("env_server_restarted", reason=f"exit code {self._process.returncode}",
+                self.log.warning("env_server_restarted", reason=f"exit code {exited.result()}",
                                  restarts=self.restarts)
                 try:
                     await self._spawn()
@@ -179,18 +172,17 @@ class OpenEnvHandle:
         argv = [sys.executable, "-m", "uvicorn", self.cfg.app, "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        preexec = die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None
-        self._process = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
-                                                             preexec_fn=preexec, start_new_session=True)
+        await self._server.start(argv, env, own_session=True)
         await self._wait_healthy(self.cfg.start_timeout_s)
-        self.log.info("openenv_server_spawned", pid=self._process.pid, base_url=self.base_url, app=self.cfg.app)
+        self.log.info("openenv_server_spawned", pid=self.pid, base_url=self.base_url, app=self.cfg.app)
 
     async def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession() as http:
             while True:
-                if self._process is not None and self._process.returncode is not None:
-                    raise RpcError(f"OpenEnv server {self.cfg.app!r} exited with code {self._process.returncode} "
+                exited = self._server.exited
+                if exited is not None and exited.done():
+                    raise RpcError(f"OpenEnv server {self.cfg.app!r} exited with code {exited.result()} "
                                    "before it was healthy; its error is in the log above")
                 try:
                     async with http.get(f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
@@ -202,8 +194,3 @@ class OpenEnvHandle:
                     raise RpcError(f"OpenEnv server {self.base_url} of env {self.name!r} not healthy within "
                                    f"{timeout_s:.0f} s")
                 await asyncio.sleep(0.3)
-
-    async def _stop_process(self) -> None:
-        process, self._process = self._process, None
-        if process is not None:
-            await stop_child(process)

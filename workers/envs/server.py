@@ -30,9 +30,7 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +42,8 @@ from workers.config import RlbusConfig
 from workers.env_config import EnvConfig
 from workers.envs.base import Environment
 from workers.envs.registry import load_env
-from workers.lifecycle import die_with_parent, run_worker, stop_child
+from workers.envs.spawned import ServerHandle
+from workers.lifecycle import run_worker
 
 ARGS_VAR = "RLBUS_ENV_ARGS"
 """Environment variable a spawned server reads its env's args from (JSON), so they (secrets, possibly) stay out of
@@ -170,13 +169,14 @@ class _ServerExited(Exception):
     pass
 
 
-class EnvHandle:
+class EnvHandle(ServerHandle):
     """Async client of one env server; owns (spawns, restarts, stops) it unless the config gives an address.
 
     Calls are safe to run concurrently. Every method takes keyword arguments as in the module docstring.
     """
 
     def __init__(self, env_config: EnvConfig, timeout_s: float, curve_dir: str | None = None):
+        super().__init__()
         self.env_config = env_config
         self.curve_dir = Path(curve_dir) if curve_dir and (env_config.address or "").startswith("tcp://") else None
         """CURVE keys of a server at a ``tcp://`` address (a spawned one listens on a private ipc:// socket)."""
@@ -186,9 +186,6 @@ class EnvHandle:
         self.address = env_config.address or ""
         self.restarts = 0
         self._client: RpcClient | None = None
-        self._process: asyncio.subprocess.Process | None = None
-        self._exited: asyncio.Task | None = None
-        self._tmp_dir: str | None = None
         self._lock = asyncio.Lock()
         self._down = False
         """The server did not answer ``info``: every call asks it first until it does."""
@@ -199,21 +196,14 @@ class EnvHandle:
                     curve_dir: str | None = None) -> "EnvHandle":
         """Connect (or spawn and connect) and wait until ``info`` answers; per-call timeout ``timeout_s``."""
         handle = cls(env_config, timeout_s, curve_dir)
-        try:
-            if handle.spawned:
-                await handle._spawn(start_timeout_s)
-            else:
-                handle._client = RpcClient(handle.address, timeout_s, curve_dir=handle.curve_dir)
-                await handle._client.call("info")
-        except BaseException:
-            await handle.close()
-            raise
-        return handle
+        return await handle._connected(handle._connect(start_timeout_s))
 
-    @property
-    def pid(self) -> int | None:
-        """Process id of the spawned server (None for an external one)."""
-        return self._process.pid if self._process is not None else None
+    async def _connect(self, start_timeout_s: float) -> None:
+        if self.spawned:
+            await self._spawn(start_timeout_s)
+        else:
+            self._client = RpcClient(self.address, self.timeout_s, curve_dir=self.curve_dir)
+            await self._client.call("info")
 
     async def info(self) -> dict[str, Any]:
         return await self.call("info")
@@ -252,7 +242,7 @@ class EnvHandle:
                 raise  # it answers: this call was slow, which is the task's (its data's) doing
             reason = f"not answering ({e})"
         await self._restart_or_unavailable(generation, reason, method)
-        if self._exited is None or self._exited.done():  # a concurrent call's restart failed
+        if self._server.exited is None or self._server.exited.done():  # a concurrent call's restart failed
             raise EnvUnavailableError(f"env server {self.name!r} is not running (its restart failed)")
         try:
             return await self._call_spawned(method, kwargs)
@@ -302,15 +292,13 @@ class EnvHandle:
         if self._client is not None:
             await self._client.close()
             self._client = None
-        await self._stop_process()
-        if self._tmp_dir is not None:
-            shutil.rmtree(self._tmp_dir, ignore_errors=True)
-            self._tmp_dir = None
+        await super().close()
 
     async def _call_spawned(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None) -> Any:
         """One call that fails fast with _ServerExited when the server process dies first."""
-        if self._exited is None or self._exited.done():
-            raise _ServerExited("not running" if self._exited is None else f"exit code {self._exited.result()}")
+        exited = self._server.exited
+        if exited is None or exited.done():
+            raise _ServerExited("not running" if exited is None else f"exit code {exited.result()}")
         assert self._client is not None
         return await self._client.call(method, timeout_s=timeout_s, **kwargs)
 
@@ -322,35 +310,23 @@ class EnvHandle:
             self.log.warning("env_server_restarted", reason=reason, restarts=self.restarts)
             if self._client is not None:
                 await self._client.close()
-            await self._stop_process()
+            await self._server.stop()
             await self._spawn(max(self.timeout_s, 60.0))
 
     async def _spawn(self, start_timeout_s: float) -> None:
-        if self._tmp_dir is None:
-            self._tmp_dir = tempfile.mkdtemp(prefix="rlbus-env-")
-        self.address = f"ipc://{self._tmp_dir}/{self.restarts}.sock"
+        self.address = self._server.socket_address(self.restarts)
         cfg = self.env_config
         argv = [sys.executable, "-m", "workers.cli", "env", "--id", cfg.id, "--name", self.name,
                 "--max-turns", str(cfg.max_turns), "--bind", self.address,
                 "--call-timeout-s", str(HUNG_FRACTION * self.timeout_s)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", ARGS_VAR: json.dumps(cfg.args)}
-        # No env server outlives its owner.
-        preexec = die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None
-        self._process = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
-                                                             preexec_fn=preexec)
-        self._exited = asyncio.ensure_future(self._process.wait())
+        await self._server.start(argv, env)
         self._client = client = RpcClient(self.address, self.timeout_s)
-        self._exited.add_done_callback(lambda exited: exited.cancelled() or client.fail_pending(
+        self._server.exited.add_done_callback(lambda exited: exited.cancelled() or client.fail_pending(
             _ServerExited(f"exit code {exited.result()}")))  # its calls fail now, not at their timeout
         try:
             await self._call_spawned("info", {}, timeout_s=start_timeout_s)
         except _ServerExited as e:
             raise RpcError(f"env server {self.name!r} ({cfg.id}) exited before answering ({e}); "
                            "its error is in the log above") from e
-        self.log.info("env_server_spawned", pid=self._process.pid, address=self.address)
-
-    async def _stop_process(self) -> None:
-        process, exited = self._process, self._exited
-        self._process = self._exited = None
-        if process is not None and exited is not None:
-            await stop_child(process, exited)
+        self.log.info("env_server_spawned", pid=self.pid, address=self.address)

@@ -27,13 +27,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from typing import Any
 
 from bus.errors import ConfigError, EnvUnavailableError, RpcError
 from bus.log import get_logger
 from workers.env_config import VERIFIERS_INSTALL, EnvConfig
-from workers.lifecycle import die_with_parent, stop_child
+from workers.envs.spawned import ServerHandle
 
 DEFAULT_AGENT = {"harness": {"id": "rlbus-chat"}, "runtime": {"type": "subprocess"}}
 """What an agent seat the config leaves unset plays with: the in-process harness on the local machine."""
@@ -114,11 +113,12 @@ def reference_answer(data: dict[str, Any]) -> str | None:
     return None if answer is None or answer == "" else str(answer)
 
 
-class VerifiersHandle:
+class VerifiersHandle(ServerHandle):
     """The client of one verifiers env server (spawned and owned unless ``address`` is set) plus the taskset."""
 
     def __init__(self, env: EnvConfig, config_data: dict[str, Any], tasks: list[dict[str, Any]],
                  start_timeout_s: float):
+        super().__init__()
         self.env_config = env
         self.name = env.resolved_name
         self.config_data = config_data
@@ -128,12 +128,9 @@ class VerifiersHandle:
         self.address = env.address or ""
         self.restarts = 0
         self._client: Any = None
-        self._process: asyncio.subprocess.Process | None = None
-        self._exited: asyncio.Future | None = None
         self._lost: asyncio.Future | None = None
         """External server: done while it is not answering health (see :meth:`_watch`)."""
         self._watchdog: asyncio.Task | None = None
-        self._tmp_dir: str | None = None
         self._lock = asyncio.Lock()
         self.log = get_logger(worker="env_handle", env=self.name)
 
@@ -145,18 +142,7 @@ class VerifiersHandle:
         if not tasks:
             raise ConfigError(f"env {env.resolved_name!r}: taskset {env.taskset['id']!r} has no tasks")
         handle = cls(env, config_data, tasks, start_timeout_s)
-        if serve:
-            try:
-                await handle._connect()
-            except BaseException:
-                await handle.close()
-                raise
-        return handle
-
-    @property
-    def pid(self) -> int | None:
-        """Process id of the spawned server (None for an external one)."""
-        return self._process.pid if self._process is not None else None
+        return await handle._connected(handle._connect()) if serve else handle
 
     async def info(self) -> dict[str, Any]:
         return {"name": self.name, "size": len(self.tasks), "taskset": self.env_config.taskset["id"]}
@@ -171,7 +157,7 @@ class VerifiersHandle:
         from verifiers.v1.types import SamplingConfig
 
         async with self._lock:  # not while a restart is under way
-            rpc, exited, generation = self._client, self._exited or self._lost, self.restarts
+            rpc, exited, generation = self._client, self._server.exited or self._lost, self.restarts
         run = asyncio.ensure_future(rpc.run(TrainClientConfig.model_validate(client), model,
                                             SamplingConfig.model_validate(sampling), self.tasks[index]))
         waits = {run} if exited is None else {run, exited}
@@ -199,10 +185,7 @@ class VerifiersHandle:
         if self._client is not None:
             await self._client.close()
             self._client = None
-        await self._stop_process()
-        if self._tmp_dir is not None:
-            shutil.rmtree(self._tmp_dir, ignore_errors=True)
-            self._tmp_dir = None
+        await super().close()
 
     async def _connect(self) -> None:
         from verifiers.v1.serve.client import EnvClient
@@ -211,11 +194,11 @@ class VerifiersHandle:
             await self._spawn()
         self._client = EnvClient(self.address)
         health = asyncio.ensure_future(self._client.wait_for_server_startup(self.start_timeout_s, interval=0.2))
-        waits = {health} if self._exited is None else {health, self._exited}
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        exited = self._server.exited
+        await asyncio.wait({health} if exited is None else {health, exited}, return_when=asyncio.FIRST_COMPLETED)
         if not health.done():
             health.cancel()
-            raise RpcError(f"verifiers env server {self.name!r} exited with code {self._exited.result()} before "
+            raise RpcError(f"verifiers env server {self.name!r} exited with code {exited.result()} before "
                            "answering health; its error is in the log above")
         health.result()
         if not self.spawned:
@@ -241,18 +224,13 @@ class VerifiersHandle:
                 self._lost = asyncio.get_running_loop().create_future()
 
     async def _spawn(self) -> None:
-        if self._tmp_dir is None:
-            self._tmp_dir = tempfile.mkdtemp(prefix="rlbus-vf-")
-        self.address = f"ipc://{self._tmp_dir}/{self.restarts}.sock"
+        self.address = self._server.socket_address(self.restarts)
         argv = [sys.executable, "-m", "workers.envs.verifiers_env", "--bind", self.address,
                 "--config", json.dumps(self.config_data), "--pool", json.dumps(self.env_config.pool)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PATH": _server_path()}
-        preexec = die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None
         # Its own session: a Ctrl-C or SIGTERM to the run's process group reaches the worker, which drains its
         # runs and then stops this server; the server dies with the worker all the same (PDEATHSIG).
-        self._process = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
-                                                             preexec_fn=preexec, start_new_session=True)
-        self._exited = asyncio.ensure_future(self._process.wait())
+        await self._server.start(argv, env, own_session=True)
 
     async def _restart(self, generation: int, reason: str) -> None:
         if not self.spawned:
@@ -265,14 +243,8 @@ class VerifiersHandle:
             if self._client is not None:
                 await self._client.close()
                 self._client = None
-            await self._stop_process()
+            await self._server.stop()
             await self._connect()
-
-    async def _stop_process(self) -> None:
-        process, exited = self._process, self._exited
-        self._process = self._exited = None
-        if process is not None and exited is not None:
-            await stop_child(process, exited)
 
 
 def _server_path() -> str:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -164,6 +165,43 @@ async def test_a_spawned_servers_args_stay_out_of_its_command_line():
         assert (await handle.info())["size"] == 7  # the args still reached the env
     finally:
         await handle.close()
+
+
+OWNER = """
+import asyncio, sys
+from workers.env_config import EnvConfig
+from workers.envs.server import EnvHandle
+
+async def main():
+    handle = await EnvHandle.start(EnvConfig(id="echo_chars"), timeout_s=10)
+    print("spawned", handle.address, handle.pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_socket_folder_left_by_a_killed_owner_is_swept_by_the_next_spawn():
+    """A rollout worker killed with SIGKILL cannot remove its env server's socket folder: the next spawn does."""
+    with subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True) as owner:
+        try:
+            line = next(line for line in owner.stdout if line.startswith("spawned "))
+            _, address, server_pid = line.split()
+        finally:
+            owner.kill()
+    folder = Path(address.removeprefix("ipc://")).parent
+    assert folder.is_dir() and oct(folder.stat().st_mode & 0o777) == "0o700"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{server_pid}").exists():  # its server follows it (PDEATHSIG)
+        assert time.monotonic() < deadline, "the env server outlived its killed owner"
+        await asyncio.sleep(0.05)
+    handle = await EnvHandle.start(EnvConfig(id="echo_chars"), timeout_s=10)
+    try:
+        assert not folder.exists()
+        assert Path(handle.address.removeprefix("ipc://")).parent.is_dir()
+    finally:
+        await handle.close()
+    assert not Path(handle.address.removeprefix("ipc://")).parent.exists()
 
 
 def _serve_tcp(tmp_path, *flags: str) -> tuple[subprocess.Popen, str, object]:
