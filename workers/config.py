@@ -207,6 +207,11 @@ class InferenceConfig(Section):
     vllm_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for the vLLM server."""
 
+    vllm_weight_transfer: Literal["auto", "native", "extension"] = "auto"
+    """How vLLM takes new weights: ``native`` through vLLM's weight-transfer API (``/start_weight_update``,
+    ``/update_weights``, ``/finish_weight_update``, rlbus's ``rlbus`` engine), ``extension`` through rlbus's worker
+    extension (``/collective_rpc``); ``auto``: native where the installed vLLM has the API, else the extension."""
+
 
 BENCH_STEPS = 4
 """Steps of a ``bench = true`` run (prime-rl's: one warm-up step and three measured ones)."""

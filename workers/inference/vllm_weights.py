@@ -18,14 +18,14 @@ import msgspec
 import torch
 
 
-def refresh_tied_head(worker) -> None:
+def refresh_tied_head(model: torch.nn.Module) -> None:
     """Rebuild a tied ``lm_head``'s packed CPU copy from the reloaded embedding.
 
     A tied ``lm_head`` shares ``embed_tokens.weight`` and receives no tensor of its own, so the layerwise reload
     skips it; on CPU its GEMM runs on a copy packed at load time (``cpu_linear``), which would keep serving the
     old embedding.
     """
-    head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    head = getattr(model, "lm_head", None)
     if head is not None and hasattr(head, "cpu_linear"):
         head.quant_method.process_weights_after_loading(head)
 
@@ -33,7 +33,7 @@ def refresh_tied_head(worker) -> None:
 def reload_from_disk(worker, weights_path: str) -> None:
     """vLLM's in-place reload from a safetensors folder, then the tied-head refresh."""
     worker.reload_weights(weights_path=weights_path)
-    refresh_tied_head(worker)
+    refresh_tied_head(worker.model_runner.get_model())
 
 
 def worker_device(worker) -> torch.device:
@@ -63,7 +63,7 @@ def receive_broadcast(worker, event: dict | str, timeout_s: float = 300.0) -> di
     received = time.perf_counter()
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     worker.reload_weights(weights_iterator=iter(list(tensors.items())))
-    refresh_tied_head(worker)
+    refresh_tied_head(worker.model_runner.get_model())
     del tensors
     loaded = time.perf_counter()
     return {"step": update.step, "tensors": len(update.tensors), "bytes": nbytes,

@@ -34,21 +34,34 @@ LOGPROB_TOL = 0.1
 """bf16 (vLLM) vs fp32 (transformers) logprob gap allowed; measured ≈ 0.006 on the tiny model."""
 
 
-@pytest.fixture(scope="module")
-def run(redis_server) -> str:
-    return run_name("t-vllm")
+@pytest.fixture(scope="module", params=["native", "extension"])
+def transfer(request) -> str:
+    """How the server takes weights (``inference.vllm_weight_transfer``): every test runs against both."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-run")
+def run(redis_server, transfer) -> str:
+    return run_name(f"t-vllm-{transfer}")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, redis_server, run, out_dir):
+def out_dir(tmp_path_factory, transfer):
+    return tmp_path_factory.mktemp(f"vllm-run-{transfer}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, redis_server, run, out_dir, transfer):
     with vllm_server(out_dir, SERVER_ID, f'[run]\nname = "{run}"\noutput_dir = "{out_dir}"\n[redis]\nurl = '
-                     f'"{redis_server}"\nblock_ms = 200\n[model]\npath = "{tiny_model_dir}"\n') as proc:
+                     f'"{redis_server}"\nblock_ms = 200\n[model]\npath = "{tiny_model_dir}"\n',
+                     inference=f'vllm_weight_transfer = "{transfer}"\n') as proc:
         yield proc
+
+
+def reload_lines(out_dir, fmt: str) -> list[str]:
+    """The server's ``vllm_reload`` log lines of updates in format ``fmt``."""
+    return [line for line in (out_dir / "vllm.log").read_text().splitlines()
+            if "vllm_reload" in line and f"format={fmt}" in line]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +120,7 @@ async def test_served_is_published_at_startup(server, bus, run):
         assert tracker.served_by[SERVER_ID] == 0
 
 
-async def test_weights_event_reloads_vllm_and_publishes_served(server, model, bus, run, out_dir):
+async def test_weights_event_reloads_vllm_and_publishes_served(server, model, bus, run, out_dir, transfer):
     before = await _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
     torch.manual_seed(1)
     new = type(model)(model.config).eval()  # fresh random init, tied embeddings included
@@ -126,14 +139,17 @@ async def test_weights_event_reloads_vllm_and_publishes_served(server, model, bu
     after = await _complete(server, n=2, temperature=1.0, max_tokens=12, seed=3, extra_body={"ignore_eos": True})
     greedy = await _complete(server, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
     gap = _max_gap(new, after, 1.0)
-    print(f"\nreload_to_served_ms={reload_s * 1000:.0f} logprob_max_abs_diff_after_reload={gap:.4f}")
+    reloads = reload_lines(out_dir, "safetensors")
+    print(f"\n{transfer} reload_to_served_ms={reload_s * 1000:.0f} logprob_max_abs_diff_after_reload={gap:.4f}\n"
+          f"{reloads[-1] if reloads else 'no vllm_reload line'}")
+    assert reloads and f"native={transfer == 'native'}" in reloads[-1]
     assert greedy.choices[0].token_ids != before.choices[0].token_ids
     # Every weight, the tied LM head included, must be the new one (a stale head gave a gap of ~1.4).
     assert gap < LOGPROB_TOL
 
 
 
-async def test_gloo_broadcast_reaches_vllm_workers_and_publishes_served(server, model, bus, run, out_dir):
+async def test_gloo_broadcast_reaches_vllm_workers_and_publishes_served(server, model, bus, run, out_dir, transfer):
     """A ``WeightBroadcaster`` (gloo, CPU) sends a changed state dict; vLLM's worker joins as the one receiver."""
     from trainer.broadcast import WeightBroadcaster
 
@@ -169,10 +185,10 @@ async def test_gloo_broadcast_reaches_vllm_workers_and_publishes_served(server, 
         lp = torch.log_softmax(new(torch.tensor([ids])).logits[0].float(), dim=-1)
     n_prompt = len(greedy.prompt_token_ids)
     argmax_gap = max((lp[t - 1].max() - lp[t - 1, ids[t]]).item() for t in range(n_prompt, len(ids)))
-    reloads = [line for line in (out_dir / "vllm.log").read_text().splitlines()
-               if "vllm_reload" in line and "nccl" in line]
-    print(f"\nbroadcast_s={broadcast_s * 1000:.0f}ms event_to_served_ms={served_s * 1000:.0f} "
+    reloads = reload_lines(out_dir, "nccl")
+    print(f"\n{transfer} broadcast_s={broadcast_s * 1000:.0f}ms event_to_served_ms={served_s * 1000:.0f} "
           f"logprob_max_abs_diff_after_broadcast={gap:.4f} greedy_logprob_gap={greedy_gap:.4f} "
           f"greedy_argmax_gap={argmax_gap:.4f}\n{reloads[-1] if reloads else 'no vllm_reload line'}")
     assert greedy.choices[0].token_ids != before.choices[0].token_ids
     assert gap < LOGPROB_TOL and greedy_gap < LOGPROB_TOL and argmax_gap < LOGPROB_TOL
+    assert reloads and f"native={transfer == 'native'}" in reloads[-1]

@@ -15,11 +15,12 @@ def run_name(prefix: str) -> str:
 
 
 @contextmanager
-def vllm_server(out_dir: Path, server_id: str, config_text: str):
-    """Write ``config_text`` (plus the vLLM [inference] section) to ``out_dir/cfg.toml`` and serve it."""
+def vllm_server(out_dir: Path, server_id: str, config_text: str, inference: str = ""):
+    """Write ``config_text`` (plus the vLLM [inference] section, with the lines ``inference``) to
+    ``out_dir/cfg.toml`` and serve it."""
     config = out_dir / "cfg.toml"
     config.write_text(config_text + '[inference]\nbackend = "vllm"\nnum_threads = 1\nmax_model_len = 512\n'
-                                    'max_batch_size = 16\n')
+                                    'max_batch_size = 16\n' + inference)
     proc = InferenceProcess(config, free_port(), server_id, log_path=out_dir / "vllm.log")
     start = time.monotonic()
     proc.start(timeout_s=300)  # not `with proc.start()`: entering the context would start a second server
