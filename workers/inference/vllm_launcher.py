@@ -59,10 +59,18 @@ TRANSFER_BACKEND = "rlbus"
 """The ``--weight-transfer-config`` backend name of that engine."""
 
 
+def has_transfer_api() -> bool:
+    """Whether vLLM is installed here and has the weight-transfer API (``vllm.distributed.weight_transfer``)."""
+    try:
+        return importlib.util.find_spec("vllm.distributed.weight_transfer") is not None
+    except ModuleNotFoundError:  # no vllm at all: finding a submodule imports its parents
+        return False
+
+
 def register_transfer_engine() -> None:
     """vLLM's general-plugin hook, run in each vLLM process: register rlbus's weight-transfer engine (by module
     path, imported only where it is used) where vLLM has the API. vLLM may run it more than once."""
-    if importlib.util.find_spec("vllm.distributed.weight_transfer") is None:
+    if not has_transfer_api():
         return
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
@@ -75,8 +83,8 @@ def register_transfer_engine() -> None:
 
 def native_transfer_missing() -> str | None:
     """Why vLLM's weight-transfer API cannot load rlbus's weights here; None when it can."""
-    if importlib.util.find_spec("vllm.distributed.weight_transfer") is None:
-        return "the installed vLLM has no weight-transfer API (vllm.distributed.weight_transfer)"
+    if not has_transfer_api():
+        return "this Python has no vLLM with the weight-transfer API (vllm.distributed.weight_transfer)"
     plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
     if not any(p.name == TRANSFER_PLUGIN for p in plugins):
         return ("rlbus's vLLM plugin is not registered in this environment; reinstall rlbus into vLLM's venv "

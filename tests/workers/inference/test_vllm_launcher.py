@@ -21,6 +21,23 @@ def test_vllm_command_and_env(tmp_path):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
 
 
+def test_without_the_weight_transfer_api_auto_falls_back_to_the_extension_and_native_is_refused(tmp_path,
+                                                                                                monkeypatch):
+    """A vLLM without ``vllm.distributed.weight_transfer`` (or no vLLM in this Python) still serves: auto loads
+    through the worker extension; asking for native is a ConfigError that names the way out."""
+    from bus.errors import ConfigError
+    from workers.inference import vllm_launcher
+
+    monkeypatch.setattr(vllm_launcher, "has_transfer_api", lambda: False)
+    config = RlbusConfig.model_validate({"model": {"path": "/m"}, "run": {"output_dir": str(tmp_path)}})
+    cmd = vllm_command(config, "127.0.0.1", 8001)
+    assert "--worker-extension-cls" in cmd and "--weight-transfer-config" not in cmd
+    native = config.model_copy(update={"inference": config.inference.model_copy(
+        update={"vllm_weight_transfer": "native"})})
+    with pytest.raises(ConfigError, match="weight-transfer API.*set it to 'auto'"):
+        vllm_command(native, "127.0.0.1", 8001)
+
+
 def test_vllm_gets_the_api_key_from_the_environment_not_the_command_line(tmp_path, monkeypatch):
     """inference.api_key_var names the variable; vLLM gets the key as VLLM_API_KEY (its --api-key), never in argv
     (``ps`` shows argv to every user of the machine)."""

@@ -97,11 +97,11 @@ async def test_each_version_is_served_under_its_adapter_name(server, tiny_model_
     assert first.choices[0].token_ids[:4] == tokens[:4]  # bf16 vs fp32: the first tokens agree
     gaps = [abs(a - b) for a, b in zip(first.choices[0].logprobs[:4], logprobs[:4], strict=True)]
     assert max(gaps) < LOGPROB_TOL, gaps
-    assert await greedy(server, None).choices[0].token_ids[:4] == base_tokens[:4]  # the base model is still served
+    assert (await greedy(server, None)).choices[0].token_ids[:4] == base_tokens[:4]  # the base model is still served
 
     for event in events[1:]:  # max_loras = max_off_policy_steps + prefetch + 2 = 4: version 5 unloads version 1
         await publish(event)
-    assert await greedy(server, "r4-a8-step5").choices
-    assert await greedy(server, "r4-a8-step2").choices  # still loaded: in flight requests may ask for it
+    assert (await greedy(server, "r4-a8-step5")).choices
+    assert (await greedy(server, "r4-a8-step2")).choices  # still loaded: in flight requests may ask for it
     with pytest.raises(Exception, match="404|400|not found|does not exist"):
         await greedy(server, "r4-a8-step1")
