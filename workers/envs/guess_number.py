@@ -22,11 +22,19 @@ from workers.envs.base import Environment, Example, Message, RewardFunc, Rubric,
 
 INTEGER = re.compile(r"-?\d+")
 
+GUESS_LIMIT = 10**18
+"""Guesses saturate at ±this: a reply of thousands of digits is a far miss, not a crash (``int`` refuses over 4300
+digits, and a miss that large overflows a float)."""
+
 
 def parse_guess(text: str) -> int | None:
-    """The first integer in a reply, or None."""
+    """The first integer in a reply (saturated at ±:data:`GUESS_LIMIT`), or None."""
     match = INTEGER.search(text)
-    return int(match.group()) if match else None
+    if match is None:
+        return None
+    digits = match.group().lstrip("-").lstrip("0") or "0"
+    value = GUESS_LIMIT if len(digits) > len(str(GUESS_LIMIT)) else min(int(digits), GUESS_LIMIT)
+    return -value if match.group().startswith("-") else value
 
 
 class GuessNumber(Environment):
@@ -71,8 +79,8 @@ class GuessNumber(Environment):
         numbers = [g for g in guesses if g is not None]
         if not numbers:
             return 0.0
-        miss = min(abs(g - secret) for g in numbers)
-        return 0.5 * max(0.0, 1.0 - miss / (self.high - self.low))
+        miss = min(min(abs(g - secret) for g in numbers), self.high - self.low)
+        return 0.5 * (1.0 - miss / (self.high - self.low))
 
     def _found(self, example: Example, messages: list[Message], state: State) -> float:
         return float(example["secret"] in self._guesses(messages))

@@ -125,6 +125,19 @@ def test_guess_number_steps_and_rewards():
     assert parse_guess("maybe -3 or 4") == -3 and parse_guess("none") is None
 
 
+def test_guess_number_scores_a_reply_of_thousands_of_digits_as_a_far_miss():
+    """A sampled reply can be one long run of digits (an eval with no token limit generated one): scoring it
+    raised (int() refuses over 4300 digits; a miss of 10**400 overflows a float), every attempt of the task failed,
+    and the eval waited on dead letters."""
+    env = load_env("guess_number", {"low": 1, "high": 100, "max_turns": 4})
+    for reply in ("9" * 5000, "-" + "7" * 400):
+        assert env.score(0, answered(env, 0, reply), {})["reward"] == 0.0
+    assert parse_guess("9" * 5000) == 10**18 and parse_guess("-" + "7" * 400) == -(10**18)
+    assert parse_guess("0" * 6000 + "5") == 5
+    out = env.step(0, answered(env, 0, "9" * 5000), {"turn": 0})
+    assert out["messages"] == [{"role": "user", "content": "lower"}]
+
+
 def test_rubric_weights_and_metric_only_functions():
     def one(example, messages, state):
         return 1.0
