@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from rlbus_run import ROOT, rlbus_run
@@ -55,7 +56,7 @@ class Job:
     from_sft: Path | None = None
     """A config whose run makes the starting weights (the quickstart's SFT stage); None: the random init."""
 
-    @property
+    @cached_property
     def config(self) -> RlbusConfig:
         return load_config([self.config_path])
 

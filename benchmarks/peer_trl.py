@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.config import EnvConfig, RlbusConfig
+from workers.config import RlbusConfig
 from workers.envs.base import Environment
-from workers.envs.registry import load_env
+from workers.envs.server import build_env
 from workers.stages.episode import ChatTokens
 
 INDEX_KEY = "rlbus_index"
@@ -34,13 +34,6 @@ class Played:
     mask: list[int] = field(default_factory=list)
     """1 on the model's tokens, 0 on the env's."""
     done: bool = False
-
-
-def env_of(env_cfg: EnvConfig) -> Environment:
-    """The config's env, its turns capped as the env server caps them."""
-    env = load_env(env_cfg.id, env_cfg.args)
-    env.max_turns = min(env.max_turns, env_cfg.max_turns)
-    return env
 
 
 def generate(model, chat: ChatTokens, inputs: list[list[int]], max_new: int, temperature: float) -> list[list[int]]:
@@ -90,7 +83,7 @@ def held_out(config: RlbusConfig, model, tokenizer) -> float:
     """Mean reward of greedy episodes on the config's first eval env (its num_examples), as rlbus's eval scores
     them."""
     eval_cfg = config.eval.env[0]
-    env = env_of(eval_cfg)
+    env = build_env(eval_cfg)
     count = len(env) if eval_cfg.num_examples < 0 else min(eval_cfg.num_examples, len(env))
     max_new = (config.eval_sampling(eval_cfg).max_completion_tokens
                or config.env[0].sampling.max_completion_tokens or 16)
@@ -134,7 +127,7 @@ def trl_job(config: RlbusConfig, model_dir: Path, out: Path, steps: int) -> dict
     started = time.monotonic()
     torch.set_num_threads(os.cpu_count() or 1)
     env_cfg = config.env[0]
-    env = env_of(env_cfg)
+    env = build_env(env_cfg)
     sampling = env_cfg.sampling
     truncated_masked = any(f.type == "truncated" and f.enforce for f in config.filter.pre_batch_filters)
     args = GRPOConfig(
