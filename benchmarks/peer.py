@@ -15,9 +15,11 @@ Both train the job's model, env, batch (prompts × group size), group size, lear
 completion length and temperature, on CPU, per seed (the model's init and the run's seed). TRL runs strictly
 on-policy (one update per generation batch, ``loss_type = "dapo"``, no KL, no std scaling: the closest to rlbus's
 default loss; truncated answers masked where the job's filters drop them); rlbus runs as configured (asynchronous).
-For each it prints the wall time, trained samples per second, the training reward per window of steps and the
-held-out greedy reward at the end (the job's first eval env, scored the same way for both); then per job the mean
-over seeds; the last line is ``rlbus/trl samples-per-second ratio:`` each job's and the lowest.
+Each run is its own process, timed from start to exit (imports, start-up and the one held-out eval at the end
+included; rlbus skips its step-0 eval, as TRL has none). For each it prints the wall time, trained samples per
+second, the training reward per window of steps and the held-out greedy reward at the end (the job's first eval
+env, scored the same way for both); then per job the mean over seeds; the last line is ``rlbus/trl
+samples-per-second ratio:`` each job's and the lowest.
 """
 
 import argparse
@@ -25,6 +27,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -101,7 +104,8 @@ def starting_weights(job: Job, tmp: Path, seed: int, port: int) -> Path:
 def rlbus_job(config_path: Path, model_dir: Path, out: Path, steps: int, port: int, seed: int) -> dict:
     """One ``rlbus run``; its wall time, per-step rewards, and the greedy eval at the end."""
     run = rlbus_run(config_path, out, steps, port, "--model.path", str(model_dir), "--run.seed", str(seed),
-                    "--eval.interval", str(steps), "--eval.sampling.temperature", "0.0", "--ckpt.interval", "none")
+                    "--eval.interval", str(steps), "--eval.skip_first_step", "true",
+                    "--eval.sampling.temperature", "0.0", "--ckpt.interval", "none")
     summary, wall = run.summary, run.wall_s
     rewards = dict(sorted((r["step"], r["packer/reward_mean"]) for r in run.rows if "packer/reward_mean" in r))
     final = summary["eval"].get(str(steps), {})
@@ -116,14 +120,16 @@ def windows(rewards: list[float], n: int = WINDOWS) -> str:
 
 
 def trl_subprocess(config_path: Path, model_dir: Path, out: Path, steps: int, seed: int) -> dict:
-    """:func:`peer_trl.trl_job` in a process of its own (as each rlbus run is), its result as JSON on the last
-    line."""
+    """:func:`peer_trl.trl_job` in a process of its own, its result as JSON on the last line; timed from start to
+    exit, imports included, as each ``rlbus run`` is."""
     argv = [sys.executable, __file__, "--trl-job", str(out), "--config", str(config_path), "--steps", str(steps),
             "--model", str(model_dir), "--seeds", str(seed)]
+    started = time.monotonic()
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    wall_s = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"TRL run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": wall_s}
 
 
 def mean(values: list[float]) -> float:

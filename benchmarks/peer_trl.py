@@ -7,7 +7,6 @@ see the same tokens. Both score with the env's rubric.
 """
 
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +57,8 @@ def generate(model, chat: ChatTokens, inputs: list[list[int]], max_new: int, tem
 
 def play(model, chat: ChatTokens, env: Environment, indices: list[int], max_new: int,
          temperature: float) -> list[Played]:
-    """Whole episodes of ``indices``, every live one advanced a turn per batched ``generate``."""
+    """Whole episodes of ``indices``, every live one advanced a turn per batched ``generate``; as in rlbus's
+    rollout, an episode ends after a turn cut at ``max_new`` tokens (no end of turn), the env having seen it."""
     episodes = []
     for index in indices:
         start = env.initial(index)
@@ -70,9 +70,10 @@ def play(model, chat: ChatTokens, env: Environment, indices: list[int], max_new:
             ep.mask += [1] * len(turn)
             ep.messages.append({"role": "assistant", "content": chat.decode(turn)})
             result = env.step(ep.index, ep.messages, ep.state)
-            ep.state, ep.done = result["state"], result["done"]
+            ended = bool(turn) and turn[-1] == chat.end_id
+            ep.state, ep.done = result["state"], result["done"] or not ended
             if not ep.done:
-                reply = chat.continuation(ep.messages, result["messages"], bool(turn) and turn[-1] == chat.end_id)
+                reply = chat.continuation(ep.messages, result["messages"], ended)
                 ep.ids += reply
                 ep.mask += [0] * len(reply)
                 ep.messages += result["messages"]
@@ -119,12 +120,11 @@ def played_reward(env_reward: list[float], **_) -> list[float]:
 
 def trl_job(config: RlbusConfig, model_dir: Path, out: Path, steps: int) -> dict:
     """TRL's GRPOTrainer on the config's job, in this process (torch threads = the cores, as rlbus's children share
-    them); wall time includes its start-up, as rlbus's does."""
+    them); its steps, train rewards and held-out greedy score (``peer.py`` times the whole process)."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    started = time.monotonic()
     torch.set_num_threads(os.cpu_count() or 1)
     env_cfg = config.env[0]
     env = build_env(env_cfg)
@@ -163,5 +163,4 @@ def trl_job(config: RlbusConfig, model_dir: Path, out: Path, steps: int) -> dict
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     greedy = held_out(config, trainer.model, trainer.processing_class)
-    return {"wall_s": time.monotonic() - started, "steps": trainer.state.global_step, "rewards": rewards,
-            "greedy": greedy}
+    return {"steps": trainer.state.global_step, "rewards": rewards, "greedy": greedy}
