@@ -91,7 +91,8 @@ class RedisConfig(Section):
     """A pending entry idle this long (its consumer presumed dead) is reclaimed by another consumer."""
 
     block_ms: int = Field(1_000, ge=1)
-    """XREADGROUP/XREAD BLOCK timeout; bounds how fast a worker notices a stop request."""
+    """XREADGROUP/XREAD BLOCK timeout: how long a worker's read waits for an entry before its loop goes round (a
+    SIGTERM wakes a blocked read at once)."""
 
     max_deliveries: int = Field(5, ge=1)
     """An entry delivered this many times without an ack goes to ``dead``."""

@@ -18,6 +18,7 @@ from bus.errors import DecodeError
 from bus.keys import Keys
 from bus.messages import decode
 from bus.resp import as_str
+from bus.wakeup import BlockedReads
 
 
 def warn_if_lagging(log: FilteringBoundLogger, cfg: RedisConfig, replicas: int) -> None:
@@ -34,6 +35,8 @@ class FanoutReads:
     cfg: RedisConfig
     worker: str
     log: FilteringBoundLogger
+    blocked: BlockedReads
+    """This worker's blocking reads: :meth:`bus.streams.Bus.wake_blocked_reads` ends them."""
 
     async def read_fanout(
         self, stream: str, last_id: str = "0", count: int = 100, block_ms: int | None = None, *,
@@ -58,12 +61,15 @@ class FanoutReads:
 
     async def _xread(self, stream: str, last_id: str, count: int, block_ms: int | None, replicated: bool) -> Any:
         if not replicated:
-            return await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+            return await self.blocked.read(self.redis.xread({stream: last_id}, count=count, block=block_ms), block_ms)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xread({stream: last_id}, count=count, block=block_ms)
         pipe.publish(self.keys.barrier(), self.worker)
         pipe.wait(self.cfg.wait_replicas, self.cfg.wait_timeout_ms)
-        reply, _, replicas = await pipe.execute()
+        replies = await self.blocked.read(pipe.execute(), block_ms)
+        if replies is None:
+            return None
+        reply, _, replicas = replies
         warn_if_lagging(self.log, self.cfg, replicas)
         return reply
 
@@ -95,7 +101,7 @@ class FanoutReads:
         """XREAD each stream after its ``last_ids`` entry without decoding: ``(stream, id, fields)`` of each entry,
         for a reader that looks only at header fields (the feeder, woken by releases). Nothing is decoded, so
         there is nothing to size-check or skip."""
-        reply = await self.redis.xread(last_ids, count=count, block=block_ms)
+        reply = await self.blocked.read(self.redis.xread(last_ids, count=count, block=block_ms), block_ms)
         return [(as_str(stream), as_str(raw_id), fields) for stream, rows in reply or [] for raw_id, fields in rows]
 
     async def last(self, stream: str, scan: int = 100) -> tuple[str, Message] | None:

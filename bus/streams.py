@@ -42,6 +42,7 @@ from bus.log import get_logger
 from bus.messages import DeadLetter, decode
 from bus.resp import as_str, fast_packing
 from bus.upkeep import GroupUpkeep
+from bus.wakeup import BlockedReads
 
 Skip = Callable[[dict[bytes, bytes]], bool] | None
 """Which raw entries a group read acks without decoding (None: none)."""
@@ -75,6 +76,7 @@ class Bus(FanoutReads, GroupUpkeep):
         self._commit_script = client.register_script(COMMIT_LUA)
         self._renew_script = client.register_script(RENEW_LUA)
         self._heartbeat: WorkerHeartbeat | None = None
+        self.blocked = BlockedReads()
 
     @classmethod
     async def connect(cls, url: str, run: str, cfg: RedisConfig, worker: str) -> "Bus":
@@ -99,6 +101,10 @@ class Bus(FanoutReads, GroupUpkeep):
         self._heartbeat = WorkerHeartbeat(self.redis, self.keys.workers(), self.worker, self.cfg.heartbeat_s,
                                           self.log)
         self._heartbeat.start()
+
+    def wake_blocked_reads(self) -> None:
+        """End the reads blocked now with no entries (a stopping worker: :mod:`bus.wakeup`)."""
+        self.blocked.wake()
 
     async def close(self) -> None:
         if self._heartbeat is not None:
@@ -156,13 +162,15 @@ class Bus(FanoutReads, GroupUpkeep):
         """
         query = {s: ">" for s in streams}
         try:
-            reply = await self.redis.xreadgroup(group, self.worker, query, count=count, block=block_ms)
+            reply = await self.blocked.read(
+                self.redis.xreadgroup(group, self.worker, query, count=count, block=block_ms), block_ms)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             for stream in streams:
                 await self.ensure_group(stream, group)
-            reply = await self.redis.xreadgroup(group, self.worker, query, count=count, block=block_ms)
+            reply = await self.blocked.read(
+                self.redis.xreadgroup(group, self.worker, query, count=count, block=block_ms), block_ms)
         entries: list[Entry] = []
         for stream, items in reply or []:
             entries += await self._decode_all(as_str(stream), group, items, {}, skip)

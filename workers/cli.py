@@ -6,8 +6,10 @@ start-up checks ``rlbus run`` makes (envs load, models are there, W&B can log in
 ``main(config: RlbusConfig | None, argv: list[str]) -> int``.
 """
 
+import gc
 import importlib
 import sys
+from typing import NoReturn
 
 from bus.errors import CONFIG_EXIT_CODE, ConfigError, RedisNotInstalledError
 from bus.log import configure_logging
@@ -118,5 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> NoReturn:
+    """The ``rlbus`` program (and ``python -m workers.cli``): :func:`main`, then the exit. The objects the role
+    built are frozen out of the collector first: the interpreter's last collections, freeing what the process is
+    about to drop anyway, took ~0.5 s of every worker that imported torch, once per tier of a run's shutdown."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

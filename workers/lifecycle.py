@@ -1,7 +1,8 @@
 """Running one worker process: connect, SIGTERM/SIGINT → drain, close.
 
 Every worker class has ``setup()``, ``run()``, ``close()`` and ``request_stop()``; the role's
-``main`` builds the worker and hands it to :func:`run_worker`.
+``main`` builds the worker and hands it to :func:`run_worker`. A worker with a ``bus`` has the reads blocked on it
+woken by the signal too, so its loop sees the stop at once instead of after ``redis.block_ms``.
 """
 
 import asyncio
@@ -75,9 +76,16 @@ async def connect_bus(config: RlbusConfig, worker: str) -> Bus:
 
 async def run_worker(worker: Worker) -> int:
     """setup → run → close, with SIGTERM/SIGINT asking the worker to finish in-flight work and exit."""
+
+    def stop() -> None:
+        worker.request_stop()
+        bus = getattr(worker, "bus", None)
+        if isinstance(bus, Bus):
+            bus.wake_blocked_reads()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.request_stop)
+        loop.add_signal_handler(sig, stop)
     try:
         await worker.setup()
         await worker.run()

@@ -1,8 +1,13 @@
-"""Shutting down a worker's or the run's own tasks: a task that ignores its cancellation cannot hold the rest."""
+"""Shutting down a worker's or the run's own tasks: a task that ignores its cancellation cannot hold the rest; a
+stopped worker does not wait out its blocking read."""
 
 import asyncio
+import signal
+import subprocess
+import sys
 import time
 
+from tests.paths import REPO
 from workers.lifecycle import cancel_and_wait
 
 
@@ -39,3 +44,23 @@ async def test_a_task_that_ignores_its_cancel_is_named_with_where_it_waits_and_l
     [(event, fields)] = log.errors
     assert event == "task_ignored_cancel" and fields["task"] == "stubborn"
     assert "ignores_cancel" in fields["awaiting"] and "sleep" in fields["awaiting"], fields
+
+
+def test_a_stopped_worker_exits_at_once_whatever_redis_block_ms(redis_url, run_name, tiny_model_dir, tmp_path):
+    """SIGTERM wakes the worker's blocked read: a filter reading with a 10-minute block exits in seconds (it used
+    to wait out the read, up to ``redis.block_ms``, at every tier of a run's shutdown)."""
+    cfg_file = tmp_path / "cfg.toml"
+    cfg_file.write_text(f'[run]\nname = "{run_name}"\n[redis]\nurl = "{redis_url}"\nblock_ms = 600000\n'
+                        f'[model]\npath = "{tiny_model_dir}"\n[[env]]\nid = "reverse_text"\n')
+    with subprocess.Popen([sys.executable, "-m", "workers.cli", "filter", "@", str(cfg_file)], cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as worker:
+        try:
+            for line in worker.stderr:
+                if "filter_ready" in line:
+                    break
+            time.sleep(0.5)  # into its blocking read
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(timeout=30) == 0
+        finally:
+            worker.kill()
+        assert "filter_stopped" in worker.stderr.read()

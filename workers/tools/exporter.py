@@ -229,14 +229,20 @@ class Exporter:
             try:
                 self.collector.follower.poll(block_ms=int(self.config.exporter.poll_s * 1000))
             except (redis.RedisError, OSError) as e:  # Redis away: the figures go stale, scrapes say so
-                self.log.warning("exporter_poll_failed", error=str(e))
+                if not self._stop.is_set():  # (not the end of a run, whose Redis stops first)
+                    self.log.warning("exporter_poll_failed", error=str(e))
                 self._stop.wait(self.config.exporter.poll_s)
 
-    def stop(self) -> None:
+    def stop_serving(self) -> None:
+        """Close the HTTP server (up to half a second: its poll) and tell the follower to end after its read."""
         self._stop.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._server = None
+
+    def stop(self) -> None:
+        self.stop_serving()
         if self._follow.is_alive():
             self._follow.join(timeout=5)
         self.client.close()
