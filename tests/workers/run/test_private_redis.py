@@ -1,6 +1,7 @@
 """`rlbus run`'s private redis-server needs a password the run generated; its workers and `rlbus inspect` have it."""
 
 import re
+import signal
 import subprocess
 import sys
 
@@ -24,7 +25,8 @@ from tests.workers.run.test_session_e2e import (
 async def test_the_private_redis_refuses_a_client_without_the_runs_password(tmp_path, tiny_model_dir):
     """Before, the private Redis of `rlbus run` answered anyone who reached its port."""
     out = tmp_path / "run"
-    proc = start_run(out, tiny_model_dir, "--run.max_steps", "3", "--eval.env", "none")
+    # Stopped by the test once it has looked: a run of a few steps ends (and its Redis with it) before the checks.
+    proc = start_run(out, tiny_model_dir, "--run.max_steps", "100000", "--eval.env", "none")
     try:
         wait_step(proc, out, 1, timeout_s=180)
         resolved = (out / "config.resolved.toml").read_text()
@@ -44,9 +46,10 @@ async def test_the_private_redis_refuses_a_client_without_the_runs_password(tmp_
                                   str(out / "config.resolved.toml")],
                                  capture_output=True, text=True, cwd=REPO, timeout=60)
         assert inspect.returncode == 0 and "tasks:echo_chars" in inspect.stdout, inspect.stdout + inspect.stderr
+        proc.send_signal(signal.SIGTERM)
         assert wait_exit(proc, out, 120) == 0, stdout_of(out)[-4000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert summary(out)["steps_trained"] == 3
+    assert summary(out)["steps_trained"] >= 1
