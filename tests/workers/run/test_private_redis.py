@@ -52,4 +52,5 @@ async def test_the_private_redis_refuses_a_client_without_the_runs_password(tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert summary(out)["steps_trained"] >= 1
+    s = summary(out)
+    assert s["stopped_because"] == "signal" and s["steps_trained"] >= 1
