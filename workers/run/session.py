@@ -2,8 +2,9 @@
 
 Starts, in order: a private redis-server (unless ``redis.url`` is set; its AOF lives in
 ``output_dir/redis`` so ``--resume`` gets the streams back), the model folder (``init-model``)
-if missing, the inference server(s) and beside them filter × ``filter.workers``, packer and trainer; once every
-server answers ``/health``, the feeder and rollout × ``rollout.workers`` (each spawns its env servers).
+if missing, the inference server(s) and beside them filter × ``filter.workers``, packer, trainer and rollout ×
+``rollout.workers`` (each spawns its env servers); once every server answers ``/health``, the feeder, so no task
+reaches a rollout worker before a server can answer it.
 Every child gets the resolved config (``output_dir/config.resolved.toml``) and its share of the
 cores as torch threads. In this process: the live status, ``metrics.jsonl``, the eval
 coordinator. The run ends when ``trained == run.max_steps`` (after that step's eval), on Ctrl-C /
@@ -205,19 +206,19 @@ class RunSession:
             argv = self.child_argv("inference", "--port", str(port), "--server-id", name, *extra)
             self.sup.start(ChildSpec(name, role, argv, env, stop_order=1))
         # stop_order: feeder and rollouts stop first (rollouts drain against live servers), redis last.
-        # The workers that never call a server start beside the servers, so their start-ups share the cores;
-        # the feeder and the rollout workers once every server answers.
+        # Every worker but the feeder starts beside the servers, so their start-ups (imports, env servers, the
+        # rollout's tokenizer) share the cores with the servers' instead of following them; the feeder once every
+        # server answers, so the first tasks find a server (a rollout worker would hold them, backing off).
         specs = [(f"filter-{i}", "filter", ["--consumer", f"filter-{i}"], 1) for i in range(self.config.filter.workers)]
         specs += [("packer", "packer", [], 1), ("trainer", "trainer", [], 1)]
+        specs += [(f"rollout-{i}", "rollout", ["--consumer", f"rollout-{i}"], 0)
+                  for i in range(self.config.rollout.workers)]
         self._start(specs, env)
         host = self.config.inference.host
         for name, _, port, _ in servers:
             url = f"http://{host}:{port}/health"
             await self._wait(lambda u=url: _http_ok(u), f"{name} at {url}", self.health_timeout_s, name)
-        specs = [("feeder", "feeder", [], 0)]
-        specs += [(f"rollout-{i}", "rollout", ["--consumer", f"rollout-{i}"], 0)
-                  for i in range(self.config.rollout.workers)]
-        self._start(specs, env)
+        self._start([("feeder", "feeder", [], 0)], env)
 
     def _start(self, specs: list[tuple[str, str, list[str], int]], env: dict[str, str]) -> None:
         """Start each ``(name, role, options, stop_order)`` as a supervised child."""
@@ -233,7 +234,7 @@ class RunSession:
             if time.monotonic() > deadline:
                 raise RlbusError(f"{what} not ready after {timeout_s:.0f}s; see {self.sup.log_path(child)}:\n"
                                  + _tail(self.sup.log_path(child)))
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.1)
 
     # The run.
 

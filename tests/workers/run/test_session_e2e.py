@@ -156,6 +156,8 @@ def test_a_few_steps_end_to_end(tmp_path, tiny_model_dir):
     assert (out / "report.png").stat().st_size > 10_000
     assert {r["source"] for r in metric_rows(out)} >= {"trainer", "packer", "eval"}
     assert "step 3/3" in stdout_of(out)
+    # The rollout worker starts beside the servers, the feeder once they answer: no task met a server not yet up.
+    assert "inference_unreachable" not in (out / "logs" / "rollout-0.log").read_text()
     assert not processes_mentioning(str(out)), "children outlived the run"
 
 
