@@ -21,7 +21,9 @@ from trainer.model import load_model
 from trainer.weights import weights_dir
 from workers.inference.client import InferenceClient
 
-pytestmark = pytest.mark.vllm
+# The module fixture starts vLLM (~40 s on CPU) within the first test's time budget, which pytest-timeout
+# counts with the fixture: the default 60 s left a cold first request 20 s (CI once took 19 s and failed).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
 
 SERVER_ID = "vllm-lora-0"
 PROMPT = [257, 72, 101, 108, 108, 111, 10, 258, 10, 50, 60, 70]
