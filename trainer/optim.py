@@ -17,7 +17,7 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
     where every parameter is on a CPU or CUDA device (one kernel for all tensors: a tiny model's step took 0.67 ms
     against 2.07 ms on CPU), its per-tensor loop elsewhere."""
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+    fused = all(p.device.type in FUSED_DEVICES for p in params)
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
