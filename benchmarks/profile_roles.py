@@ -58,6 +58,8 @@ def role_of(pid: int) -> str | None:
     args = [a.decode(errors="replace") for a in argv if a]
     if "workers.cli" not in args and not any(a.endswith("/rlbus") for a in args):
         return "redis" if args and "redis-server" in args[0] else None
+    if "workers.run.forkserver" in args:
+        return "forkserver"
     cli = args[args.index("workers.cli") + 1:] if "workers.cli" in args else args[2:]
     role = cli[0] if cli else "?"
     if role == "env" and "--name" in cli:

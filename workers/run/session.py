@@ -45,6 +45,7 @@ from workers.run.checks import check_envs, check_has_env, check_models, check_wa
 from workers.run.eval import EvalCoordinator
 from workers.run.hub import is_hub_id
 from workers.run.metrics import MetricsWriter, wandb_config
+from workers.run.preload import ForkServer
 from workers.run.report import bench_numbers, build_summary, pyplot, summary_text, write_report, write_summary
 from workers.run.resolved import child_password, dump_toml, needs_teacher_server, resolve, torch_threads
 from workers.run.status import RunProbe, render
@@ -204,7 +205,7 @@ class RunSession:
                     for port in teacher_ports]
         for name, role, port, extra in servers:
             argv = self.child_argv("inference", "--port", str(port), "--server-id", name, *extra)
-            self.sup.start(ChildSpec(name, role, argv, env, stop_order=1))
+            await asyncio.to_thread(self.sup.start, ChildSpec(name, role, argv, env, stop_order=1, forkable=True))
         # stop_order: feeder and rollouts stop first (rollouts drain against live servers), redis last.
         # Every worker but the feeder starts beside the servers, so their start-ups (imports, env servers, the
         # rollout's tokenizer) share the cores with the servers' instead of following them; the feeder once every
@@ -213,17 +214,17 @@ class RunSession:
         specs += [("packer", "packer", [], 1), ("trainer", "trainer", [], 1)]
         specs += [(f"rollout-{i}", "rollout", ["--consumer", f"rollout-{i}"], 0)
                   for i in range(self.config.rollout.workers)]
-        self._start(specs, env)
+        await asyncio.to_thread(self._start, specs, env)
         host = self.config.inference.host
         for name, _, port, _ in servers:
             url = f"http://{host}:{port}/health"
             await self._wait(lambda u=url: _http_ok(u), f"{name} at {url}", self.health_timeout_s, name)
-        self._start([("feeder", "feeder", [], 0)], env)
+        await asyncio.to_thread(self._start, [("feeder", "feeder", [], 0)], env)
 
     def _start(self, specs: list[tuple[str, str, list[str], int]], env: dict[str, str]) -> None:
         """Start each ``(name, role, options, stop_order)`` as a supervised child."""
         for name, role, options, order in specs:
-            self.sup.start(ChildSpec(name, role, self.child_argv(role, *options), env, stop_order=order))
+            self.sup.start(ChildSpec(name, role, self.child_argv(role, *options), env, stop_order=order, forkable=True))
 
     async def _wait(self, ready, what: str, timeout_s: float, child: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -247,8 +248,9 @@ class RunSession:
         self.eval_sizes = await asyncio.to_thread(check_envs, self.config)
         check_models(self.config)
         self.prepare_output()
-        bus = None
+        bus, fork_server = None, None
         try:
+            fork_server = None if self.attach else ForkServer(self.sup, self.config, self.child_env())
             if self.attach:
                 if not self.config.redis.url:
                     raise ConfigError("--attach needs redis.url (the Redis of the run to watch)")
@@ -277,6 +279,8 @@ class RunSession:
             return CONFIG_EXIT_CODE if isinstance(e, ConfigError) else 1
         finally:
             await asyncio.to_thread(self.sup.stop_all, self.grace_s)
+            if fork_server is not None:
+                fork_server.close()
             if self.exporter is not None:  # its follower's blocked read ends with Redis
                 await asyncio.to_thread(self.exporter.stop)
             if bus is not None:

@@ -4,7 +4,8 @@ Each child runs in its own process group (so its own children, e.g. the env serv
 worker spawns, are signalled with it) and gets ``PR_SET_PDEATHSIG`` (SIGTERM), so a supervisor
 killed with ``kill -9`` still takes every child down. A child that exits non-zero (or by a signal)
 is restarted after an exponential backoff; one that exits 0 has finished and stays down, and so does one
-that exits 2 (a config error: it would fail the same way again).
+that exits 2 (a config error: it would fail the same way again). A child marked ``forkable`` is forked from the
+preloaded fork server when one is given and answers (:mod:`workers.run.forked`), and exec'd as usual when not.
 
     sup = Supervisor(log_dir, on_event=print)
     sup.start(ChildSpec("trainer", "trainer", ["python", "-m", "workers.cli", "trainer", "@", "cfg.toml"]))
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from bus.errors import CONFIG_EXIT_CODE
 from workers.lifecycle import die_with_parent
+from workers.run.forked import ForkedProcess, Forker, ForkUnavailable
 
 
 @dataclass
@@ -38,6 +40,8 @@ class ChildSpec:
     """Extra environment variables."""
     stop_order: int = 0
     """Children with a higher value are stopped later (redis last)."""
+    forkable: bool = False
+    """Start it from the supervisor's fork server when there is one (``argv`` is ``python -m MODULE ...``)."""
 
 
 @dataclass
@@ -45,7 +49,7 @@ class Child:
     """A running (or waiting to restart) child."""
 
     spec: ChildSpec
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedProcess | None = None
     started_at: float = 0.0
     restarts: int = 0
     backoff_s: float = 0.0
@@ -72,12 +76,15 @@ class Supervisor:
         backoff_initial_s: float = 1.0,
         backoff_max_s: float = 30.0,
         healthy_after_s: float = 60.0,
+        forker: Forker | None = None,
     ):
         self.log_dir = Path(log_dir)
         self.on_event = on_event or (lambda event, info: None)
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.healthy_after_s = healthy_after_s
+        self.forker = forker
+        """Where ``forkable`` children are forked from (None: every child is exec'd)."""
         self.children: dict[str, Child] = {}
         self.stopping = False
 
@@ -96,19 +103,29 @@ class Supervisor:
     def _spawn(self, child: Child) -> None:
         env = {**os.environ, **child.spec.env}
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path(child.spec.name), "ab") as log:
-            child.proc = subprocess.Popen(
-                child.spec.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                process_group=0,
-                preexec_fn=die_with_parent(os.getpid()),
-            )
+        child.proc = self._fork(child, env) if child.spec.forkable and self.forker is not None else None
+        if child.proc is None:
+            with open(self.log_path(child.spec.name), "ab") as log:
+                child.proc = subprocess.Popen(
+                    child.spec.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    process_group=0,
+                    preexec_fn=die_with_parent(os.getpid()),
+                )
         child.started_at = time.monotonic()
         child.restart_at = None
         self.on_event("child_started", {"name": child.spec.name, "pid": child.proc.pid, "restarts": child.restarts})
+
+    def _fork(self, child: Child, env: dict[str, str]) -> ForkedProcess | None:
+        """The child forked from the fork server; None (reported) when the server cannot."""
+        try:
+            return self.forker.spawn(child.spec.argv, env, self.log_path(child.spec.name))
+        except ForkUnavailable as e:
+            self.on_event("fork_unavailable", {"name": child.spec.name, "error": str(e)})
+            return None
 
     def poll(self) -> None:
         """Notice exits, schedule restarts with backoff, start the ones that are due."""
@@ -173,7 +190,7 @@ class Supervisor:
             child.proc.wait()
 
 
-def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+def _signal_group(proc: subprocess.Popen | ForkedProcess, sig: signal.Signals) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

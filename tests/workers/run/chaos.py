@@ -106,3 +106,8 @@ def corrupt_newest_checkpoint_and_kill(out: Path, trainer_pid) -> int:
         f.truncate(newest.stat().st_size // 2)
     os.kill(pid, signal.SIGKILL)
     return max(steps)
+
+
+def parent_of(pid: int) -> int:
+    """The parent process of ``pid`` (a forked worker's: the run's fork server)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

@@ -158,6 +158,8 @@ def test_a_few_steps_end_to_end(tmp_path, tiny_model_dir):
     assert "step 3/3" in stdout_of(out)
     # The rollout worker starts beside the servers, the feeder once they answer: no task met a server not yet up.
     assert "inference_unreachable" not in (out / "logs" / "rollout-0.log").read_text()
+    # Every Python worker was forked from the fork server, none exec'd because it did not answer.
+    assert "fork_unavailable" not in stdout_of(out) and (out / "logs" / "forkserver.log").exists()
     assert not processes_mentioning(str(out)), "children outlived the run"
 
 
@@ -395,9 +397,10 @@ def inject_garbage(client: redis.Redis, keys: Keys, step: int) -> tuple[int, set
 @pytest.mark.timeout(900)
 async def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_still_balance(tmp_path, tiny_model_dir):
     """30 kill -9 of random roles, a rollout worker stopped past claim_idle_ms, Redis killed and restarted, malformed
-    entries in every stream and a NaN reward, a hung env call, a 45 s inference outage, 200 bad inference requests
-    and a corrupt newest checkpoint, all in one run: it reaches max_steps, every group is accounted for, nothing is
-    trained twice, the in-flight count is what the streams say, and only the malformed entries are dead letters."""
+    entries in every stream and a NaN reward, a hung env call, a 45 s inference outage, 200 bad inference requests,
+    a corrupt newest checkpoint and the workers' fork server killed, all in one run: it reaches max_steps, every
+    group is accounted for, nothing is trained twice, the in-flight count is what the streams say, and only the
+    malformed entries are dead letters."""
     out = tmp_path / "run"
     steps = 40
     flag = tmp_path / "hang"
@@ -441,6 +444,12 @@ async def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_stil
             chaos.corrupt_newest_checkpoint_and_kill(out, trainer)
             chaos.wait_log(out, "trainer", "checkpoint_corrupt", 120)
             faults.add("checkpoint")
+            kills += 1
+        if kills >= 28 and "forkserver" not in faults:  # the workers' fork server: it takes them all down with it
+            server = chaos.parent_of(role_pid(out, "trainer"))
+            assert "workers.run.forkserver" in Path(f"/proc/{server}/cmdline").read_text(), "a restart was not forked"
+            os.kill(server, signal.SIGKILL)
+            faults.add("forkserver")
             kills += 1
         pids = processes_mentioning(f"workers.cli {rng.choice(roles)} @ {out / 'config.resolved.toml'}")
         if pids:
