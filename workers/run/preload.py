@@ -40,4 +40,5 @@ class ForkServer:
         sup.forker = Forker(socket_path, server_alive=lambda: server.alive)
 
     def close(self) -> None:
+        """Remove the socket's folder (once the supervisor has stopped the server)."""
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -76,14 +76,13 @@ class Supervisor:
         backoff_initial_s: float = 1.0,
         backoff_max_s: float = 30.0,
         healthy_after_s: float = 60.0,
-        forker: Forker | None = None,
     ):
         self.log_dir = Path(log_dir)
         self.on_event = on_event or (lambda event, info: None)
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.healthy_after_s = healthy_after_s
-        self.forker = forker
+        self.forker: Forker | None = None
         """Where ``forkable`` children are forked from (None: every child is exec'd)."""
         self.children: dict[str, Child] = {}
         self.stopping = False
