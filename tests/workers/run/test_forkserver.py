@@ -12,27 +12,11 @@ from pathlib import Path
 import pytest
 
 from tests.paths import REPO
+from tests.workers.run.test_supervisor import _alive, _wait
 from workers.run.forked import Forker, forkserver_argv
 from workers.run.supervisor import ChildSpec, Supervisor
 
 PROBE = "tests.workers.run.forked_probe"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def _wait(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def _reports(log: Path) -> list[dict]:
@@ -62,7 +46,7 @@ def test_a_forked_worker_is_what_its_command_line_would_start(forking):
     sup, server, events = forking
     child = sup.start(_probe("probe", "3", "0.2"))
     log = sup.log_path("probe")
-    assert _wait(lambda: _reports(log)), log.read_text() if log.exists() else "no log"
+    assert _wait(lambda: _reports(log), 20), log.read_text() if log.exists() else "no log"
     report = _reports(log)[0]
     assert report["ppid"] == server.proc.pid, "not forked from the server"
     assert report["pid"] == report["pgid"] == child.proc.pid, "not in a process group of its own"
@@ -97,7 +81,7 @@ def test_workers_of_a_killed_server_stop_and_come_back(forking):
     os.kill(server.proc.pid, signal.SIGKILL)
     # The worker gets its death signal; the supervisor restarts both (the worker exec'd when no server answers yet).
     assert _wait(lambda: not _alive(first), 10), "a worker outlived its fork server"
-    assert _wait(lambda: (sup.poll(), len(_reports(log)) >= 2)[1]), events
+    assert _wait(lambda: (sup.poll(), len(_reports(log)) >= 2)[1], 20), events
     assert _alive(_reports(log)[1]["pid"])
     assert sup.children["forkserver"].restarts >= 1
 
@@ -118,7 +102,7 @@ time.sleep(60)
 """
     with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
         server_pid, worker_pid = json.loads(proc.stdout.readline())
-        assert _wait(lambda: _reports(tmp_path / "w.log"))
+        assert _wait(lambda: _reports(tmp_path / "w.log"), 20)
         proc.send_signal(signal.SIGKILL)
     for pid in (server_pid, worker_pid):  # (the probe's `sleep` has no death signal of its own, as under exec)
         assert _wait(lambda p=pid: not _alive(p), 10), f"pid {pid} outlived its SIGKILLed supervisor"
