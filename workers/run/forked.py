@@ -47,6 +47,8 @@ class ForkedProcess:
         self._buffer = buffered
         self._server_gone = False
         self._parse()
+        if self.returncode is not None:  # it ended before its pid was even read
+            conn.close()
 
     def poll(self) -> int | None:
         if self.returncode is None:
