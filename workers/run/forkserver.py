@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.lifecycle import PR_SET_PDEATHSIG
+from workers.lifecycle import die_with_parent
 
 
 @dataclass
@@ -192,10 +192,7 @@ def _send(conn: socket.socket, message: dict) -> None:
 def become(request: WorkerRequest, server_pid: int) -> None:
     """Turn this forked child into the worker of ``request`` (returns when its module does; raises its SystemExit)."""
     os.setpgid(0, 0)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != server_pid:
-        os._exit(1)  # the server died before the death signal was set
+    die_with_parent(server_pid)()  # SIGTERM when the server dies; exits at once if it already has
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     stdin = os.open(os.devnull, os.O_RDONLY)
