@@ -115,8 +115,9 @@ class TrainerConfig(Section):
     ``logprob_chunk_size × vocab``. 0: always recompute (least memory)."""
 
     forward_batch: int = Field(1, ge=1)
-    """Micro-batches stacked into one forward/backward pass (rows padded to the longest). Same update; on a GPU,
-    larger values mean fewer, larger kernels (higher utilisation) at the cost of activation memory."""
+    """Micro-batches stacked into one forward/backward pass (rows padded to the longest; where samples share
+    prompts, the micro-batches are cut into rows of their groups). Same update; on a GPU, larger values mean fewer,
+    larger kernels (higher utilisation) at the cost of activation memory."""
 
     compile: bool = False
     """torch.compile each decoder layer and the chunked logprob head (GPU; the first step compiles)."""

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from bus.messages import MODES, MicroBatch
 from trainer.dist import DistContext, all_reduce_max, all_reduce_sum, set_grad_sync
-from trainer.logprobs import packed_layout
 from trainer.losses import LossFn, LossInputs, LossTerms, reduce_loss
+from trainer.rows import lay_out
 
 # bf16 dense peak FLOP/s by GPU name fragment, for MFU.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -166,11 +166,18 @@ def _forward_backward(policy: nn.Module, group: list[Batch], loss_fns: dict[str,
 
 
 def _run(model: nn.Module, group: list[Batch]) -> list[tuple[Batch, Tensor, Tensor]]:
-    """(batch, logprobs, entropy) of each micro-batch of ``group``, in one forward pass."""
+    """(batch, logprobs, entropy) of each micro-batch of ``group``, in one forward pass: where samples share
+    prompts, over the rows of :func:`trainer.rows.lay_out`; otherwise each micro-batch one row."""
+    if any(b.shared_prompt_lengths is not None for b in group):
+        rows = lay_out([b.input_ids for b in group], [b.position_ids for b in group], [b.temperatures for b in group],
+                       [b.sample_lengths for b in group], [b.shared_prompt_lengths for b in group])
+        out = model(*rows.inputs())
+        logprobs, entropy = out.logprobs.reshape(-1), out.entropy.reshape(-1)
+        return [(b, logprobs.index_select(0, i), entropy.index_select(0, i)) for b, i in zip(group, rows.index,
+                                                                                               strict=True)]
     if len(group) == 1:
         batch = group[0]
-        layout = () if batch.shared_prompt_lengths is None else _layout(batch, len(batch.input_ids))
-        out = model(batch.input_ids, batch.position_ids, batch.temperatures, *layout)
+        out = model(batch.input_ids, batch.position_ids, batch.temperatures)
         return [(batch, out.logprobs, out.entropy)]
     out = model(*_stack(group))
     return [(b, out.logprobs[r, : len(b.input_ids)], out.entropy[r, : len(b.input_ids)]) for r, b in enumerate(group)]
@@ -178,8 +185,7 @@ def _run(model: nn.Module, group: list[Batch]) -> list[tuple[Batch, Tensor, Tens
 
 def _stack(group: list[Batch]) -> tuple[Tensor, ...]:
     """input_ids, position_ids, temperatures of ``group`` as ``[B, T]`` rows padded to the longest; the padding
-    of a row is a sequence of its own (positions restart at 0), so no real token attends to it. Where a micro-batch
-    shares prompts, also every row's attention mask ``[B, T, T]`` and sources ``[B, T]``."""
+    of a row is a sequence of its own (positions restart at 0), so no real token attends to it."""
     width = max(len(b.input_ids) for b in group)
     device = group[0].input_ids.device
     ids = torch.zeros(len(group), width, dtype=torch.long, device=device)
@@ -191,21 +197,7 @@ def _stack(group: list[Batch]) -> tuple[Tensor, ...]:
         pos[r, :n] = b.position_ids
         pos[r, n:] -= n
         temps[r, :n] = b.temperatures
-    if all(b.shared_prompt_lengths is None for b in group):
-        return ids, pos, temps
-    layouts = [_layout(b, width) for b in group]
-    return ids, pos, temps, torch.stack([m for m, _ in layouts]), torch.stack([s for _, s in layouts])
-
-
-def _layout(batch: Batch, width: int) -> tuple[Tensor, Tensor]:
-    """:func:`packed_layout` of a micro-batch padded to ``width`` tokens (the padding a sample of its own)."""
-    lengths = batch.sample_lengths
-    shared = batch.shared_prompt_lengths if batch.shared_prompt_lengths is not None else np.zeros_like(lengths)
-    padding = width - len(batch.input_ids)
-    if padding:
-        lengths, shared = np.append(lengths, padding), np.append(shared, 0)
-    device = batch.input_ids.device
-    return packed_layout(torch.as_tensor(lengths, device=device), torch.as_tensor(shared, device=device))
+    return ids, pos, temps
 
 
 @torch.no_grad()
