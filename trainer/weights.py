@@ -36,22 +36,26 @@ def weights_dir(output_dir: Path | str, step: int) -> Path:
 
 
 class HostCopy:
-    """Device-to-host copies of a state dict into pinned CPU buffers reused across calls (GPU only)."""
+    """Device-to-host copies of a state dict into CPU buffers reused across calls (pinned for GPU tensors); CPU
+    tensors are passed through unless ``snapshot``, which copies them too (a copy the next optimizer step, changing
+    the parameters in place, leaves alone)."""
 
-    def __init__(self) -> None:
+    def __init__(self, snapshot: bool = False) -> None:
+        self.snapshot = snapshot
         self._buffers: dict[str, Tensor] = {}
 
     def __call__(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for name, tensor in state.items():
             tensor = tensor.detach()
-            if tensor.device.type == "cpu":
+            on_gpu = tensor.device.type != "cpu"
+            if not on_gpu and not self.snapshot:
                 out[name] = tensor
                 continue
             buf = self._buffers.get(name)
             if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-                buf = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            buf.copy_(tensor, non_blocking=True)
+                buf = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_gpu)
+            buf.copy_(tensor, non_blocking=on_gpu)
             out[name] = buf
         if any(t.device.type == "cuda" for t in state.values()):
             torch.cuda.synchronize()

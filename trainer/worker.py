@@ -4,8 +4,10 @@ For step ``s`` every rank reads all micro-batches of ``batches:{s}`` (XREAD BLOC
 are there) and trains those with ``index % W == rank``. Rank 0 then writes the weights
 (safetensors shards in ``output_dir/weights/step_{s}``, or a broadcast), publishes the
 ``weights`` event, then ``trained = s`` on ``policy``, the step's metrics, and checkpoints every
-``ckpt.interval`` steps. A resumed trainer continues at ``s + 1`` and re-publishes the weights
-and ``trained`` of step ``s``. One trainer trains at a time; a second one waits as a standby
+``ckpt.interval`` steps. Safetensors are written from a copy and announced while step ``s + 1``
+trains (in a thread, leaving the event loop free); step ``s + 1``'s go out after them, and a
+checkpoint of step ``s`` only once they are out. A resumed trainer continues at ``s + 1`` and
+re-publishes the weights and ``trained`` of step ``s``. One trainer trains at a time; a second one waits as a standby
 (:mod:`trainer.tenure`). ``rlbus trainer @ cfg.toml [--nproc N]``.
 """
 
@@ -48,11 +50,15 @@ from trainer.weights import (
     prune_weights,
     remove_interrupted_saves,
     save_weights,
+    unique_tensors,
     verified_weights,
     weights_dir,
 )
 from workers.config import RlbusConfig
 from workers.lifecycle import connect_bus, run_worker
+
+PUBLISH_ON_CLOSE_S = 60.0
+"""How long a trainer stopping on an error waits for the weights it was still publishing."""
 
 
 class TrainerWorker:
@@ -73,6 +79,8 @@ class TrainerWorker:
         self.bus = None
         self.tenure = None
         self.broadcaster = None
+        self._publishing: asyncio.Task | None = None
+        """The previous step's weights, being written and announced (rank 0)."""
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -112,12 +120,12 @@ class TrainerWorker:
         self.reference = self._reference()
 
     def _build_optimizer(self) -> None:
-        """Optimizer, schedule, losses, the checkpointer and the pinned host copy for saving weights."""
+        """Optimizer, schedule, losses, the checkpointer and the host copy of the weights being published."""
         self.optimizer = build_optimizer(self.policy, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg, self.config.run.max_steps)
         self.loss_fns = loss_fns(self.cfg.loss)
         self.ckpt = Checkpointer(self.output_dir, self.config.ckpt, self.ctx, trainable_only=self.lora is not None)
-        self.host_copy = HostCopy()
+        self.host_copy = HostCopy(snapshot=not self.ctx.distributed)  # FSDP's gathered state is a copy already
 
     async def _connect(self) -> None:
         self.bus = await connect_bus(self.config, f"trainer-{self.ctx.rank}")
@@ -215,18 +223,21 @@ class TrainerWorker:
             batches = await self.read_batches(step)
             if batches is None:
                 break
-            metrics = self.train(step, batches, time.perf_counter() - start)
+            # In a thread: the event loop meanwhile publishes the previous step's weights.
+            metrics = await asyncio.to_thread(self.train, step, batches, time.perf_counter() - start)
             self.step = step
             t0 = time.perf_counter()
             await self.publish_weights(step)
             metrics["weights_s"] = time.perf_counter() - t0
             if self.ckpt.due(step):
                 t0 = time.perf_counter()
+                await self.weights_published()  # Redis records step s before a checkpoint of it exists
                 self.ckpt.save(step, self.policy, self.optimizer, self.scheduler, self.run_epoch,
                                await self._progress())
                 metrics["ckpt_s"] = time.perf_counter() - t0
             await self.retire_batches(step)
             await self.report(step, metrics)
+        await self.weights_published()
         self.log.info("trainer_stopped", step=self.step)
 
     async def _progress(self) -> dict[str, str] | None:
@@ -259,6 +270,8 @@ class TrainerWorker:
         while count is None or len(got) < count:
             if self._stop.is_set():
                 return None
+            if self._publishing is not None and self._publishing.done():  # its error stops the trainer now
+                await self.weights_published()
             self.tenure.check()  # waiting for the packer is progress (trainer.progress_timeout_s)
             entries = await self.bus.read_fanout(stream, last_id, count=1000, block_ms=self.config.redis.block_ms,
                                                  replicated=True)  # a failover cannot take back what it trained on
@@ -279,6 +292,8 @@ class TrainerWorker:
         return last is not None and last < step
 
     def train(self, step: int, micro_batches: list[MicroBatch], wait_s: float) -> dict[str, float]:
+        if self.device.type == "cuda":  # the current device is per thread, and this runs in a worker thread
+            torch.cuda.set_device(self.device)
         batches = [to_batch(mb, self.device, step) for mb in micro_batches]
         return train_step(self.policy, self.optimizer, self.scheduler, batches, loss_fns=self.loss_fns, ctx=self.ctx,
                           step=step, max_grad_norm=self.cfg.max_grad_norm, n_params=self.n_params, wait_s=wait_s,
@@ -286,7 +301,10 @@ class TrainerWorker:
                           kl_penalty_coef=self.cfg.kl_penalty_coef, entropy_coef=self.cfg.entropy_coef)
 
     async def publish_weights(self, step: int, republish: bool = False) -> None:
-        """Weights of ``step`` to inference servers, then ``trained = step`` (rank 0; every rank gathers)."""
+        """Weights of ``step`` to inference servers, then ``trained = step`` (rank 0; every rank gathers). Waits for
+        the previous step's weights first (versions go out in order, one at a time); this step's safetensors are
+        written and announced in the background, from a copy, while the next step trains."""
+        await self.weights_published()
         state = full_state_dict(self.policy, self.ctx)
         if not self.ctx.is_main:
             return
@@ -296,17 +314,35 @@ class TrainerWorker:
         if bad:
             raise RlbusError(f"weights of step {step} hold NaN or inf ({bad[:3]}); not publishing them. The trainer "
                              f"restarts from its latest checkpoint; lower trainer.lr or check the rewards if it recurs")
-        trained = (self.bus.keys.policy(), PolicyVersion(role="trained", step=step))
         if self.broadcaster is not None:
             event = self.broadcaster.event(step, state)
             await self.tenure.publish([(self.bus.keys.weights(), event)])
             await asyncio.to_thread(self.broadcaster.broadcast, event, state)
-            await self.tenure.publish([trained], step=step)
-        else:
-            event = await self._save_weights(step, state, republish)
-            await self.tenure.publish([(self.bus.keys.weights(), event), trained], step=step)
-            await self._prune(step)
-        self.log.info("weights_published", step=step, format=event.format, dir=event.dir)
+            await self.tenure.publish([self._trained(step)], step=step)
+            self.log.info("weights_published", step=step, format=event.format, dir=event.dir)
+        elif self.lora is not None or republish:
+            await self._publish_files(step, state, republish)
+        else:  # from a copy: the next step changes the parameters in place
+            self._publishing = asyncio.create_task(self._publish_files(step, self.host_copy(unique_tensors(state)),
+                                                                       republish=False))
+
+    async def weights_published(self) -> None:
+        """Wait for the weights being published in the background (their error is raised here)."""
+        task, self._publishing = self._publishing, None
+        if task is not None:
+            await task
+
+    def _trained(self, step: int) -> tuple[str, PolicyVersion]:
+        return self.bus.keys.policy(), PolicyVersion(role="trained", step=step)
+
+    async def _publish_files(self, step: int, state, republish: bool) -> None:
+        """Write (or, after a restart, verify) the safetensors of ``step``; publish them and ``trained``."""
+        started = time.perf_counter()
+        event = await self._save_weights(step, state, republish)
+        await self.tenure.publish([(self.bus.keys.weights(), event), self._trained(step)], step=step)
+        await self._prune(step)
+        self.log.info("weights_published", step=step, format=event.format, dir=event.dir,
+                      seconds=round(time.perf_counter() - started, 4))
 
     async def _save_weights(self, step: int, state, republish: bool) -> WeightUpdate:
         path = weights_dir(self.output_dir, step)
@@ -316,8 +352,8 @@ class TrainerWorker:
         if files is None and self.lora is not None:
             files = await asyncio.to_thread(save_adapter, state, path, self.lora)
         elif files is None:
-            files = save_weights(state, path, self.cfg.max_shard_mb, host_copy=self.host_copy, config=self.lm_config,
-                                 companions=self.config.model.path)
+            files = await asyncio.to_thread(save_weights, state, path, self.cfg.max_shard_mb, config=self.lm_config,
+                                            companions=self.config.model.path)
         adapter = None if self.lora is None else f"{self.config.model.lora.resolved_name}-step{step}"
         return WeightUpdate(step=step, format="safetensors", dir=str(path.resolve()), files=files, adapter=adapter)
 
@@ -348,6 +384,11 @@ class TrainerWorker:
         self.log.info("train_step", step=step, **shown)
 
     async def close(self) -> None:
+        if self._publishing is not None:  # stopped by an error: the step trained before it still goes out
+            try:
+                await asyncio.wait_for(self.weights_published(), PUBLISH_ON_CLOSE_S)
+            except Exception as e:  # noqa: BLE001 - the error that stopped the trainer is the one to raise
+                self.log.warning("weights_not_published", step=self.step, error=repr(e))
         if self.tenure is not None:
             await self.tenure.close()
         if self.bus is not None:
