@@ -52,6 +52,7 @@ from workers.run.status import RunProbe, render
 from workers.run.status_report import StatusReporter
 from workers.run.supervisor import ChildSpec, Supervisor
 from workers.tools.exporter import Exporter
+from workers.tools.run_follower import READ_PAUSE_S
 
 BACKGROUND_STOP_S = 10.0
 """How long the run waits for its own tasks (metrics, eval, supervision) to end once cancelled; then it stops the
@@ -414,7 +415,8 @@ class RunSession:
 
     async def _follow_metrics(self, bus: Bus, writer, probe) -> None:
         while True:
-            await self._read_metrics(bus, writer, probe, block_ms=1000)
+            if await self._read_metrics(bus, writer, probe, block_ms=1000):
+                await asyncio.sleep(READ_PAUSE_S)  # the rows of a moment in one read
 
     async def _read_metrics(self, bus: Bus, writer, probe, block_ms: int | None) -> int:
         """Copy the metrics entries after ``metrics_last_id`` to the writer and the probe; returns how many."""

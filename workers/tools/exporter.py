@@ -31,12 +31,14 @@ from bus.observe import group_streams, heartbeat_ages, now_ms, state_fields, str
 from bus.state import INFLIGHT_FIELD, LAST_STEP_FIELD, STOP_REASON_FIELD
 from workers.config import RlbusConfig
 from workers.tools.latency import Histogram
-from workers.tools.run_follower import RunFollower
+from workers.tools.run_follower import READ_PAUSE_S, RunFollower
 
 TRAINER_GAUGES = {"step_time_s": ("trainer_step_seconds", "Duration of the last trained step."),
                   "tokens_per_s": ("trainer_tokens_per_second", "Tokens per second of the last trained step."),
                   "wait_s": ("trainer_idle_seconds", "Seconds the trainer waited for the last step's batch."),
-                  "weights_s": ("trainer_weights_seconds", "Seconds spent writing the last step's weights.")}
+                  "weights_s": ("trainer_weights_seconds",
+                                "Seconds the last step waited on publishing weights (the step before's, then its own "
+                                "copy; the write overlaps the next step).")}
 """Trainer metric value → (gauge name without the prefix, help)."""
 
 
@@ -227,7 +229,8 @@ class Exporter:
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.collector.follower.poll(block_ms=int(self.config.exporter.poll_s * 1000))
+                if self.collector.follower.poll(block_ms=int(self.config.exporter.poll_s * 1000)):
+                    self._stop.wait(READ_PAUSE_S)
             except (redis.RedisError, OSError) as e:  # Redis away: the figures go stale, scrapes say so
                 if not self._stop.is_set():  # (not the end of a run, whose Redis stops first)
                     self.log.warning("exporter_poll_failed", error=str(e))

@@ -44,6 +44,10 @@ TRAINER_SOURCES = {"tokens", "wait_s", "step_time_s"}
 _REASON = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 GROUP_FAMILIES = ("tasks", "rollouts", "filtered")
 
+READ_PAUSE_S = 0.25
+"""After a read that found entries, a follower waits this long before the next, so that entries arrive in batches
+instead of one wake-up (and a round of reads) each. Latencies come from entry ids, not from when they are read."""
+
 DISCOVER_S = 5.0
 """How often the follower looks for the streams of envs it does not follow yet (a config that names none of them,
 an exporter started with only ``--run.name``)."""
