@@ -8,8 +8,11 @@ woken by the signal too, so its loop sees the stop at once instead of after ``re
 import asyncio
 import ctypes
 import os
+import select
 import signal
 import socket
+import threading
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Protocol
@@ -34,6 +37,10 @@ def consumer_name(role: str, explicit: str | None = None) -> str:
     return explicit or f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
+OWNER_POLL_S = 0.5
+"""How often :func:`stop_with` looks for its owner where the kernel has no pidfd."""
+
+
 def die_with_parent(parent_pid: int) -> Callable[[], None]:
     """preexec_fn: SIGTERM this child when ``parent_pid`` (the process spawning it) dies; exit at once if it already
     has."""
@@ -45,6 +52,30 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
             os._exit(1)
 
     return preexec
+
+
+def stop_with(owner_pid: int) -> None:
+    """SIGTERM this process when process ``owner_pid`` ends (what :func:`die_with_parent` gives a child whose parent
+    is another process: a fork server's); exit at once if it already has. A daemon thread waits on the owner's pidfd,
+    or, where the kernel offers none, looks for it every :data:`OWNER_POLL_S`."""
+    try:
+        pidfd = os.pidfd_open(owner_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except OSError:  # no pidfd here (an old kernel, a sandbox)
+        pidfd = None
+
+    def watch() -> None:
+        if pidfd is not None:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll()
+        else:
+            while Path(f"/proc/{owner_pid}").exists():
+                time.sleep(OWNER_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="rlbus-owner-watch", daemon=True).start()
 
 
 async def stop_child(process: asyncio.subprocess.Process, exited: asyncio.Future | None = None,

@@ -329,4 +329,4 @@ class EnvHandle(ServerHandle):
         except _ServerExited as e:
             raise RpcError(f"env server {self.name!r} ({cfg.id}) exited before answering ({e}); "
                            "its error is in the log above") from e
-        self.log.info("env_server_spawned", pid=self.pid, address=self.address)
+        self.log.info("env_server_spawned", pid=self.pid, address=self.address, forked=self._server.forked)

@@ -4,23 +4,26 @@ then forks each worker from itself, so a worker (or its restart) starts without 
     python -m workers.run.forkserver --socket PATH [--preload MODULE ...] [--model DIR] [--room N]
 
 ``rlbus run`` starts it first thing (a supervised child, stopped after every worker) and sends it each
-``python -m MODULE ARGS…`` it would otherwise exec (:mod:`workers.run.forked` is the client). The socket lies in a
+``python -m MODULE ARGS…`` it would otherwise exec (:mod:`workers.forked` is the client). The socket lies in a
 folder only the run's user can enter (``mkdtemp``: 0700). One connection per worker, a JSON line each way:
-``{"argv", "env", "log"}`` in, ``{"pid"}`` out once forked, then ``{"exit"}`` (the code as :class:`subprocess.Popen`
-reports it: negative for a signal) when the worker ends. The socket is bound before the preload, so a request sent
-meanwhile waits in its backlog.
+``{"argv", "env", "log", "watch"}`` in, ``{"pid"}`` out once forked, then ``{"exit"}`` (the code as
+:class:`subprocess.Popen` reports it: negative for a signal) when the worker ends. The socket is bound before the
+preload, so a request sent meanwhile waits in its backlog.
 
 A forked worker is what its command line would have started: its own process group, stdin from /dev/null, stdout
 and stderr appended to its log, exactly the environment it was sent, ``sys.argv`` and ``/proc/PID/cmdline`` its own
 command (written over this server's, which ``--room`` pads), the module run as ``__main__``. It gets SIGTERM when this
 server dies (``PR_SET_PDEATHSIG``), as this server does when ``rlbus run`` dies, so a ``kill -9`` of the run still
-takes every worker down. The server stays single-threaded (``fork`` copies only the calling thread) and preloads
+takes every worker down; with ``watch``, also when that process ends (a forked rollout worker's env servers end with
+it, as its exec'd ones would). The server stays single-threaded (``fork`` copies only the calling thread) and preloads
 only imports (then freezes them out of the collector): no model is loaded, no device touched. Torch reads
 ``OMP_NUM_THREADS`` when it is imported, so every worker shares this server's thread settings, which ``rlbus run``
 gives all of its workers alike.
 """
 
 import argparse
+import atexit
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -31,10 +34,11 @@ import selectors
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.lifecycle import die_with_parent
+from workers.lifecycle import die_with_parent, stop_with
 
 
 @dataclass
@@ -45,6 +49,8 @@ class WorkerRequest:
     args: list[str]
     env: dict[str, str]
     log: str
+    watch: int | None = None
+    """A process whose end SIGTERMs the worker (the worker that asked for it), besides this server's."""
 
 
 def preload(modules: list[str], model: str | None) -> None:
@@ -73,7 +79,10 @@ def parse_request(line: bytes) -> WorkerRequest:
         raise ValueError(f"only `python -m MODULE ...` can be forked, not {argv!r}")
     if not isinstance(env, dict) or not isinstance(log, str):
         raise ValueError("env must be an object and log a path")
-    return WorkerRequest(argv[2], argv[3:], {str(k): str(v) for k, v in env.items()}, log)
+    watch = data.get("watch")
+    if watch is not None and (not isinstance(watch, int) or watch <= 0):
+        raise ValueError(f"watch must be a process id, not {watch!r}")
+    return WorkerRequest(argv[2], argv[3:], {str(k): str(v) for k, v in env.items()}, log, watch)
 
 
 class ForkServer:
@@ -128,8 +137,8 @@ class ForkServer:
         if pid == 0:
             self._close_for_child(conn)
             return request
-        try:
-            os.setpgid(pid, pid)  # here too, so the group exists before the client hears the pid
+        try:  # here too, so the group exists (or holds it) before the client hears the pid
+            os.setpgid(pid, process_group(request, pid))
         except OSError:
             pass  # the child did it first, or is gone already (reaped below)
         self.workers[pid] = conn
@@ -189,10 +198,23 @@ def _send(conn: socket.socket, message: dict) -> None:
         pass  # the client went away; the worker runs on regardless
 
 
+def process_group(request: WorkerRequest, pid: int) -> int:
+    """The process group of worker ``pid``: its own, or with ``watch`` its owner's (an exec'd child of the owner would
+    be in it, and the signals its supervisor sends the group reach it too)."""
+    if request.watch is None:
+        return pid
+    try:
+        return os.getpgid(request.watch)
+    except ProcessLookupError:
+        return pid  # the owner is gone: the worker exits at once (stop_with)
+
+
 def become(request: WorkerRequest, server_pid: int) -> None:
-    """Turn this forked child into the worker of ``request`` (returns when its module does; raises its SystemExit)."""
-    os.setpgid(0, 0)
+    """Turn this forked child into the worker of ``request``; exits with its exit code (never returns)."""
+    os.setpgid(0, process_group(request, os.getpid()))
     die_with_parent(server_pid)()  # SIGTERM when the server dies; exits at once if it already has
+    if request.watch is not None:
+        stop_with(request.watch)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     stdin = os.open(os.devnull, os.O_RDONLY)
@@ -209,7 +231,35 @@ def become(request: WorkerRequest, server_pid: int) -> None:
     argv = [sys.executable, "-m", request.module, *request.args]
     write_cmdline(argv)
     sys.argv = [request.module, *request.args]
-    runpy.run_module(request.module, run_name="__main__", alter_sys=True)
+    os._exit(run_as_main(request.module))
+
+
+def run_as_main(module: str) -> int:
+    """Run ``module`` as ``__main__`` and end as the interpreter would, up to its teardown: its exit code, non-daemon
+    threads joined, atexit functions run, output flushed. The teardown itself (every module's objects freed, the
+    preloaded torch and transformers among them) is left to the exit, as a forked child of :mod:`multiprocessing`
+    leaves it: it took a forked env server half a second, spent before its worker could stop."""
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = -signal.SIGINT  # ended by the signal below once the rest is done, as the interpreter does
+    except BaseException:  # noqa: BLE001 - reported as the interpreter reports it, exit code 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # noqa: SLF001 - what the interpreter's own exit does first
+    atexit._run_exitfuncs()  # noqa: SLF001
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
 
 
 def write_cmdline(argv: list[str]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from workers.cli import ROLES
 from workers.config import RlbusConfig
-from workers.run.forked import Forker, forkserver_argv
+from workers.forked import Forker, forkserver_argv
 from workers.run.supervisor import ChildSpec, Supervisor
 
 FORKED_ROLES = ("inference", "trainer", "rollout", "filter", "packer", "feeder")

@@ -5,7 +5,7 @@ worker spawns, are signalled with it) and gets ``PR_SET_PDEATHSIG`` (SIGTERM), s
 killed with ``kill -9`` still takes every child down. A child that exits non-zero (or by a signal)
 is restarted after an exponential backoff; one that exits 0 has finished and stays down, and so does one
 that exits 2 (a config error: it would fail the same way again). A child marked ``forkable`` is forked from the
-preloaded fork server when one is given and answers (:mod:`workers.run.forked`), and exec'd as usual when not.
+preloaded fork server when one is given and answers (:mod:`workers.forked`), and exec'd as usual when not.
 
     sup = Supervisor(log_dir, on_event=print)
     sup.start(ChildSpec("trainer", "trainer", ["python", "-m", "workers.cli", "trainer", "@", "cfg.toml"]))
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus.errors import CONFIG_EXIT_CODE
+from workers.forked import ForkedProcess, Forker, ForkUnavailable
 from workers.lifecycle import die_with_parent
-from workers.run.forked import ForkedProcess, Forker, ForkUnavailable
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 
 from tests.paths import REPO
 from tests.workers.run.test_supervisor import _alive, _wait
-from workers.run.forked import Forker, forkserver_argv
+from workers.forked import Forker, forkserver_argv
 from workers.run.supervisor import ChildSpec, Supervisor
 
 PROBE = "tests.workers.run.forked_probe"
@@ -85,11 +85,31 @@ def test_workers_of_a_killed_server_stop_and_come_back(forking):
     assert sup.children["forkserver"].restarts >= 1
 
 
+def test_a_worker_s_own_forked_child_ends_with_it(forking, tmp_path):
+    sup, server, _ = forking
+    owner = sup.start(_probe("owner", "0", "60"))
+    assert _wait(lambda: _reports(sup.log_path("owner")))
+    # What a forked rollout worker does for its env server: ask the server that forked it, watching itself.
+    log = tmp_path / "env.log"
+    socket_path = str(tmp_path / "fork.sock")
+    child = Forker(socket_path, server_alive=lambda: True).spawn(
+        [sys.executable, "-m", PROBE, "0", "60"], {"PYTHONPATH": str(REPO)}, log, watch=owner.proc.pid)
+    assert _wait(lambda: _reports(log))
+    report = _reports(log)[0]
+    assert report["ppid"] == server.proc.pid and report["pgid"] == owner.proc.pid, "not in its owner's group"
+    os.kill(owner.proc.pid, signal.SIGKILL)
+    assert child.wait(10) == -signal.SIGTERM, "a worker's forked child outlived it"
+    # A child asked for on behalf of a process already gone ends at once (exit 1 once it was reaped).
+    late = Forker(socket_path, server_alive=lambda: True).spawn(
+        [sys.executable, "-m", PROBE, "0", "60"], {"PYTHONPATH": str(REPO)}, log, watch=owner.proc.pid)
+    assert late.wait(10) in (1, -signal.SIGTERM)
+
+
 def test_nothing_outlives_a_killed_supervisor(tmp_path):
     script = f"""
 import json, os, sys, time
 sys.path.insert(0, {str(REPO)!r})
-from workers.run.forked import Forker, forkserver_argv
+from workers.forked import Forker, forkserver_argv
 from workers.run.supervisor import ChildSpec, Supervisor
 sup = Supervisor({str(tmp_path)!r})
 server = sup.start(ChildSpec("forkserver", "f", forkserver_argv({str(tmp_path / 'fork.sock')!r}, [], None)))

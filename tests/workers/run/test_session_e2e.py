@@ -160,6 +160,8 @@ def test_a_few_steps_end_to_end(tmp_path, tiny_model_dir):
     assert "inference_unreachable" not in (out / "logs" / "rollout-0.log").read_text()
     # Every Python worker was forked from the fork server, none exec'd because it did not answer.
     assert "fork_unavailable" not in stdout_of(out) and (out / "logs" / "forkserver.log").exists()
+    # So was the rollout worker's env server, by the same server.
+    assert "forked=True" in (out / "logs" / "rollout-0.log").read_text()
     assert not processes_mentioning(str(out)), "children outlived the run"
 
 

@@ -1,4 +1,5 @@
-"""Workers forked from the preloaded server (:mod:`workers.run.forkserver`), as the supervisor sees them.
+"""Workers forked from ``rlbus run``'s preloaded server (:mod:`workers.run.forkserver`), as the process that asked
+for them sees them: the supervisor, or a forked rollout worker asking for its env servers.
 
     forker = Forker(socket_path, server_alive=lambda: server.poll() is None)
     proc = forker.spawn([sys.executable, "-m", "workers.cli", "trainer", "@", "cfg.toml"], env, "logs/trainer.log")
@@ -7,7 +8,9 @@
 :class:`ForkedProcess` offers the part of :class:`subprocess.Popen` the supervisor uses (``pid``, ``poll``, ``wait``,
 ``returncode``). The worker is the server's child, so its exit code comes over the connection that asked for it. When
 the server dies its workers get SIGTERM (their death signal); a worker whose connection closed without an exit code
-counts as exited once its process is gone, with ``-SIGTERM``.
+counts as exited once its process is gone, with ``-SIGTERM``. Every forked worker finds the server's socket in
+:data:`FORK_SOCKET_VAR`; a child it asks for with ``watch`` = its own pid gets SIGTERM when it ends, as an exec'd
+child's death signal would give it.
 """
 
 import json
@@ -19,6 +22,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+FORK_SOCKET_VAR = "RLBUS_FORK_SOCKET"
+"""Set in every forked worker's environment: the socket of the server that forked it."""
 
 ROOM_BYTES = 2048
 """Padding of the server's command line: room for each worker's own (``ps`` shows the worker's; longer ones are cut)."""
@@ -97,12 +103,13 @@ class Forker:
         """Whether the server's process runs (a socket not bound yet is then worth waiting for)."""
         self.timeout_s = timeout_s
 
-    def spawn(self, argv: list[str], env: dict[str, str], log: Path | str) -> ForkedProcess:
-        """Fork ``argv`` with exactly ``env``, its output appended to ``log``; :class:`ForkUnavailable` when the
-        server does not answer with a pid."""
+    def spawn(self, argv: list[str], env: dict[str, str], log: Path | str, watch: int | None = None) -> ForkedProcess:
+        """Fork ``argv`` with ``env`` (and :data:`FORK_SOCKET_VAR`), its output appended to ``log``, SIGTERMed when
+        process ``watch`` ends; :class:`ForkUnavailable` when the server does not answer with a pid."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(self.timeout_s)
-        request = {"argv": argv, "env": env, "log": str(Path(log).resolve())}
+        request = {"argv": argv, "env": {**env, FORK_SOCKET_VAR: self.socket_path}, "log": str(Path(log).resolve()),
+                   "watch": watch}
         buffer = b""
         try:
             self._connect(conn)
