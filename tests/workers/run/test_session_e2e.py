@@ -102,16 +102,16 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def children_of(pid: int) -> list[int]:
+def env_servers_of(rollout_pid: int) -> list[int]:
+    """The env servers a rollout worker started: forked by the fork server or exec'd by the worker, they are in its
+    process group."""
     out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
+    for pid in processes_mentioning("workers.cli env "):
+        try:
+            if pid != rollout_pid and os.getpgid(pid) == os.getpgid(rollout_pid):
+                out.append(pid)
+        except ProcessLookupError:
+            continue
     return out
 
 
@@ -242,7 +242,7 @@ def test_kill_9_of_each_role_still_reaches_max_steps(tmp_path, tiny_model_dir, r
     kills = [(2, "rollout"), (4, "filter"), (6, "packer"), (8, "trainer"), (10, "inference"), (12, "env")]
     for at, role in kills:
         wait_step(proc, out, at, timeout_s=180)
-        pid = children_of(role_pid(out, "rollout"))[0] if role == "env" else role_pid(out, role)
+        pid = env_servers_of(role_pid(out, "rollout"))[0] if role == "env" else role_pid(out, role)
         os.kill(pid, signal.SIGKILL)
         if role != "env":  # the supervisor's restart, before the next kill (the rollout worker restarts its env server)
             wait_output(proc, out, rf"^restarted {role}(-\d+)? ", timeout_s=60)
