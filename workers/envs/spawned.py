@@ -111,8 +111,8 @@ class ServerProcess:
 
     async def start(self, argv: list[str], env: dict[str, str], own_session: bool = False) -> None:
         """Start ``argv``; ``own_session``: in a session of its own, so a Ctrl-C to the run's process group reaches
-        only the handle's worker, which stops the server when it has drained (a forked server has a process group of
-        its own)."""
+        only the handle's worker, which stops the server when it has drained (a forked server joins this worker's
+        process group instead, as an exec'd one without ``own_session`` would be in it)."""
         forked = await fork_server(argv, env)
         if forked is not None:
             self.process, self.exited = forked, forked.exited

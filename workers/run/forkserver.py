@@ -10,7 +10,8 @@ folder only the run's user can enter (``mkdtemp``: 0700). One connection per wor
 :class:`subprocess.Popen` reports it: negative for a signal) when the worker ends. The socket is bound before the
 preload, so a request sent meanwhile waits in its backlog.
 
-A forked worker is what its command line would have started: its own process group, stdin from /dev/null, stdout
+A forked worker is what its command line would have started: its own process group (with ``watch``, the group of
+that process, where it would have been as that process's exec'd child), stdin from /dev/null, stdout
 and stderr appended to its log, exactly the environment it was sent, ``sys.argv`` and ``/proc/PID/cmdline`` its own
 command (written over this server's, which ``--room`` pads), the module run as ``__main__``. It gets SIGTERM when this
 server dies (``PR_SET_PDEATHSIG``), as this server does when ``rlbus run`` dies, so a ``kill -9`` of the run still
