@@ -181,6 +181,11 @@ class InferenceConfig(Section):
     max_model_len: int = Field(2048, ge=16)
     """Longest prompt + completion the server accepts."""
 
+    batch_wait_ms: float = Field(20.0, ge=0, le=1000)
+    """Built-in server: how long an idle engine holds the first request that reaches it for others to prefill and
+    decode with it (a rollout worker's groups, sent together, arrive a few ms apart; each separate wave costs forward
+    passes). A queue holding ``max_batch_size`` sequences starts at once; 0: never wait (lowest latency)."""
+
     max_queued_sequences: int = Field(4096, ge=1)
     """Built-in server: sequences (prompts × ``n``) that may wait for a batch slot beyond the running batch; a
     request that would queue more is answered 429 with ``Retry-After`` (the client retries), one asking for more

@@ -5,6 +5,12 @@ requests that arrived since the last step (left-padded, one forward pass), merge
 into the running batch, then decodes one token for every active sequence in one forward pass. A
 finished sequence leaves the batch at once; a new request joins at the next step.
 
+An idle engine holds the first request that reaches it for up to ``batch_wait_s`` (from its arrival), so
+that requests sent together but arriving a few milliseconds apart (a rollout worker starting a step's
+groups) are prefilled in one pass and decode in step, not in staggered waves that each cost a forward
+pass. A full batch's worth of queued sequences, or a call between steps (new weights), ends the wait at once,
+and what is queued then is prefilled.
+
 The batch's KV cache is left-aligned: row ``i`` holds its tokens at the right end of the time axis and
 padding (masked out) on the left, so rows of different lengths decode together; columns that are padding
 in every row are trimmed when sequences leave.
@@ -81,6 +87,8 @@ class Request:
     on_token: Callable[[int, int], None] | None = None
     """Called from the engine thread with (choice index, token id) after each sampled token that did not end its
     choice (streaming; the last comes with the choice's final text, which a stop string may have cut short)."""
+    arrived: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when it was queued."""
 
 
 @dataclass
@@ -98,7 +106,8 @@ class Engine:
     """Continuous batching over one model; thread-safe ``submit`` and ``call_between_steps``."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch_size: int, max_model_len: int,
-                 eos_token_ids: set[int], policy_version: int = 0, max_queued: int | None = None):
+                 eos_token_ids: set[int], policy_version: int = 0, max_queued: int | None = None,
+                 batch_wait_s: float = 0.0):
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -116,6 +125,8 @@ class Engine:
         self.prefills = 0
         self.max_queued = max_queued
         """Sequences that may wait for a batch slot (None: no bound)."""
+        self.batch_wait_s = batch_wait_s
+        """How long an idle engine holds its first request for others to prefill with (0: not at all)."""
         self.queued_sequences = 0
         """Sequences waiting now."""
         self.failures = 0
@@ -274,6 +285,8 @@ class Engine:
         with self._cond:
             while not self._stop and not self._calls and not self._pending and not self._seqs:
                 self._cond.wait()
+            if not self._seqs:
+                self._hold_for_company()
             if self._stop:
                 return None, []
             calls = list(self._calls)
@@ -288,6 +301,18 @@ class Engine:
                 new.append(request)
                 room -= request.params.n
             return calls, new
+
+    def _hold_for_company(self) -> None:
+        """Wait (holding ``_cond``) until ``batch_wait_s`` after the first queued request arrived, unless a batch's
+        worth of sequences is queued first, a call between steps comes, or the engine stops."""
+        if not self._pending or self.batch_wait_s <= 0:
+            return
+        deadline = self._pending[0].arrived + self.batch_wait_s
+        while not self._stop and not self._calls and self.queued_sequences < self.max_batch_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _reset_batch(self) -> None:
         self._seqs: list[_Seq] = []

@@ -108,7 +108,8 @@ class InferenceServer:
         model = AutoModelForCausalLM.from_pretrained(self.config.model.path, dtype=dtype).to(device).eval()
         eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
         return Engine(model, tokenizer, max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_model_len,
-                      eos_token_ids={t for t in eos if t is not None}, max_queued=cfg.max_queued_sequences)
+                      eos_token_ids={t for t in eos if t is not None}, max_queued=cfg.max_queued_sequences,
+                      batch_wait_s=cfg.batch_wait_ms / 1000)
 
     async def _setup_follower(self) -> None:
         self.bus = await connect_bus(self.config, f"inference-{self.server_id}")

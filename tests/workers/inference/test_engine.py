@@ -1,5 +1,7 @@
 """The engine in-process: batching requests of different lengths, what cannot fit, calls between steps."""
 
+import time
+
 import pytest
 import torch
 
@@ -116,3 +118,30 @@ def test_queued_sequences_are_bounded(engine):
     with pytest.raises(ValueError, match="max_queued_sequences=8"):
         eng.submit_all([[67]] * 5, params)
     assert eng.queued_sequences == 8
+
+
+def test_an_idle_engine_prefills_requests_arriving_close_together_in_one_pass(engine):
+    """A rollout worker's groups arrive a few ms apart; each used to be prefilled (and then decoded) on its own."""
+    eng = _fresh_engine(engine, batch_wait_s=0.5)
+    try:
+        first = eng.submit([65, 66], SamplingParams(max_tokens=3))
+        time.sleep(0.05)
+        second = eng.submit([67], SamplingParams(max_tokens=3))
+        for handle in (first, second):
+            assert len(handle.future.result(timeout=30).choices[0].token_ids) == 3
+        assert eng.prefills == 1 and eng.steps == 2
+    finally:
+        eng.stop()
+
+
+def test_a_full_batch_or_a_call_between_steps_ends_the_wait(engine):
+    eng = _fresh_engine(engine, batch_wait_s=60.0)
+    try:
+        full = eng.submit([66], SamplingParams(max_tokens=2, n=4))  # max_batch_size=4: nothing else could join
+        full.future.result(timeout=10)
+        alone = eng.submit([65], SamplingParams(max_tokens=2))
+        assert eng.call_between_steps(lambda: "ran").result(timeout=10) == "ran"  # new weights never wait
+        alone.future.result(timeout=10)
+        assert eng.prefills == 2
+    finally:
+        eng.stop()
