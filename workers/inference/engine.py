@@ -161,6 +161,12 @@ class Engine:
         return len(self._seqs)
 
     @property
+    def waiting(self) -> int:
+        """Queued sequences beyond the free batch slots: those that wait for room, not just for the next step (nor
+        for company, see ``batch_wait_s``). A request is admitted whole, so this may undercount by part of one."""
+        return max(0, self.queued_sequences - (self.max_batch_size - len(self._seqs)))
+
+    @property
     def queued(self) -> int:
         """Requests waiting for room in the running batch."""
         return len(self._pending)

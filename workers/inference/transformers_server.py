@@ -208,7 +208,7 @@ class InferenceServer:
     async def health(self, request: web.Request) -> web.Response:
         ok = self.engine.alive
         return web.json_response({"status": "ok" if ok else "engine_dead", "policy_version": self.engine.policy_version,
-                                  "active": self.engine.active, "queued": self.engine.queued_sequences,
+                                  "active": self.engine.active, "queued": self.engine.waiting,
                                   "counts": {**self.counts.totals, **self._counted_elsewhere()},
                                   "steps": self.engine.steps, "decode_s": self.engine.decode_s,
                                   "max_batch_size": self.engine.max_batch_size,

@@ -145,3 +145,19 @@ def test_a_full_batch_or_a_call_between_steps_ends_the_wait(engine):
         assert eng.prefills == 2
     finally:
         eng.stop()
+
+
+def test_requests_held_for_company_are_not_reported_waiting_for_room(engine):
+    """``waiting`` (the /health ``queued`` the adaptive rollout concurrency reads) counts sequences no free slot will
+    take; a request held by an idle engine for company has its slot, and must not look like a growing queue."""
+    eng = _fresh_engine(engine, batch_wait_s=60.0)
+    try:
+        held = eng.submit([65], SamplingParams(max_tokens=2, n=2))
+        assert eng.queued_sequences == 2 and eng.waiting == 0
+        eng.submit([66], SamplingParams(max_tokens=2, n=2)).future.result(timeout=10)  # 4 fill the batch
+        held.future.result(timeout=10)
+    finally:
+        eng.stop()
+    full = Engine(engine.model, engine.tokenizer, max_batch_size=4, max_model_len=128, eos_token_ids={258})
+    full.submit_all([[65]] * 3, SamplingParams(max_tokens=2, n=2))  # not started: 6 queued, room for 4
+    assert full.waiting == 2
