@@ -16,9 +16,10 @@ from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
-from redis.sentinel import Sentinel, SentinelManagedConnection
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 
 from bus.config import redact
 from bus.errors import ConfigError
@@ -70,6 +71,29 @@ class _AsyncPrimaryConnection(AsyncSentinelConnection):
         await super()._connect()
 
 
+class _AsyncSentinels(AsyncSentinel):
+    """redis-py's, but connections opened at once keep every sentinel. Its ``discover_master`` moves the sentinel
+    that answered to the front by the index it had before the await: concurrent discoveries past a dead first
+    sentinel swapped by stale indexes and left the list holding one sentinel twice and losing another (no later
+    failover found through it, its connections never closed)."""
+
+    async def discover_master(self, service_name: str):
+        errors = []
+        for sentinel in list(self.sentinels):
+            try:
+                masters = await sentinel.sentinel_masters()
+            except (redis_errors.ConnectionError, redis_errors.ResponseError, redis_errors.TimeoutError) as e:
+                errors.append(f"{sentinel} - {e!r}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                at = self.sentinels.index(sentinel)  # where it is now, after the others' swaps
+                self.sentinels[0], self.sentinels[at] = sentinel, self.sentinels[0]
+                ip = state["ip"] if self._force_master_ip is None else self._force_master_ip
+                return ip, state["port"]
+        raise MasterNotFoundError(f"No master found for {service_name!r}: {', '.join(errors) or 'none is primary'}")
+
+
 class _PrimaryConnection(SentinelManagedConnection):
     """:class:`_AsyncPrimaryConnection` for blocking clients."""
 
@@ -80,7 +104,15 @@ class _PrimaryConnection(SentinelManagedConnection):
 
 def async_client(url: str, **options: Any) -> aioredis.Redis:
     """An asyncio client of ``url`` (``options`` as for ``redis.asyncio.Redis``)."""
-    return _client(url, options, aioredis.Redis, AsyncSentinel, _AsyncPrimaryConnection)
+    return _client(url, options, aioredis.Redis, _AsyncSentinels, _AsyncPrimaryConnection)
+
+
+async def close_async_client(client: aioredis.Redis) -> None:
+    """Close an :func:`async_client` and, for a primary found through Sentinel, its connections to the sentinels."""
+    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    await client.aclose()
+    for sentinel in manager.sentinels if manager is not None else ():
+        await sentinel.aclose()
 
 
 def sync_client(url: str, **options: Any) -> redis.Redis:

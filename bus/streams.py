@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from bus.clients import async_client
+from bus.clients import async_client, close_async_client
 from bus.codec import Message
 from bus.commit import (
     COMMIT_LUA,
@@ -109,10 +109,7 @@ class Bus(FanoutReads, GroupUpkeep):
     async def close(self) -> None:
         if self._heartbeat is not None:
             await self._heartbeat.stop()
-        manager = getattr(self.redis.connection_pool, "sentinel_manager", None)
-        await self.redis.aclose()
-        for sentinel in manager.sentinels if manager is not None else ():  # a primary found through Sentinel
-            await sentinel.aclose()
+        await close_async_client(self.redis)
 
     # Publishing.
 

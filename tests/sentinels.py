@@ -38,20 +38,26 @@ class SentinelCluster:
         self._server("a")
         self._server("b", "--replicaof", "127.0.0.1", str(self.ports["a"]))
         wait_for(lambda: self.client("b").info("replication").get("master_link_status") == "up", "replica in sync")
-        binary = shutil.which("redis-sentinel")
-        assert binary, "redis-sentinel is not installed: apt-get install -y redis-sentinel"
         for i, port in enumerate(self.sentinel_ports):
-            conf = self.dir / f"sentinel{i}.conf"
-            conf.write_text(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.dir}\n"
-                            f"logfile {self.dir / f'sentinel{i}.log'}\n"
-                            f"sentinel monitor {PRIMARY_NAME} 127.0.0.1 {self.ports['a']} 2\n"
-                            f"sentinel down-after-milliseconds {PRIMARY_NAME} 1000\n"
-                            f"sentinel failover-timeout {PRIMARY_NAME} 5000\n")
-            self.procs[f"sentinel{i}"] = subprocess.Popen([binary, str(conf)], stdout=subprocess.DEVNULL,
-                                                          stderr=subprocess.DEVNULL)
+            (self.dir / f"sentinel{i}.conf").write_text(
+                f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.dir}\n"
+                f"logfile {self.dir / f'sentinel{i}.log'}\n"
+                f"sentinel monitor {PRIMARY_NAME} 127.0.0.1 {self.ports['a']} 2\n"
+                f"sentinel down-after-milliseconds {PRIMARY_NAME} 1000\n"
+                f"sentinel failover-timeout {PRIMARY_NAME} 5000\n")
+            self.start_sentinel(i, wait=False)
         for port in self.sentinel_ports:  # every sentinel knows the replica and the other sentinels
             wait_for(lambda p=port: _sentinel_sees(p), f"sentinel on {port} sees the replica and its peers", 30)
         return self
+
+    def start_sentinel(self, i: int, wait: bool = True) -> None:
+        """Start sentinel ``i`` from its config (which it rewrote with what it learnt); ``wait``: until it answers."""
+        binary = shutil.which("redis-sentinel")
+        assert binary, "redis-sentinel is not installed: apt-get install -y redis-sentinel"
+        self.procs[f"sentinel{i}"] = subprocess.Popen([binary, str(self.dir / f"sentinel{i}.conf")],
+                                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if wait:
+            wait_for(lambda: _answers(self.sentinel_ports[i]), f"sentinel on {self.sentinel_ports[i]}")
 
     def client(self, name: str) -> redis.Redis:
         return redis.Redis(port=self.ports[name], socket_timeout=2)

@@ -5,6 +5,7 @@ import asyncio
 import signal
 
 import pytest
+import redis
 
 from bus.clients import parse_sentinel_url
 from bus.config import RedisConfig
@@ -109,3 +110,25 @@ async def test_a_replicated_read_never_returns_an_entry_the_failover_takes_back(
     assert cluster.primary() == "b"
     assert [entry_id for entry_id, _ in rows] == [kept]
     await bus.close()
+
+
+@pytest.mark.timeout(120)
+async def test_connections_opened_at_once_past_a_dead_sentinel_keep_every_sentinel_for_the_next_failover(cluster,
+                                                                                                       run_name):
+    """redis-py moved the sentinel that answered to the front by the index it had before its await: connections
+    opened at once, each skipping the dead first sentinel, swapped by stale indexes, and the client was left knowing
+    one sentinel twice and the dead one not at all. Once that one was back and the others down, the primary was
+    found through no one (and connections to a dropped live sentinel were never closed)."""
+    bus = await Bus.connect(cluster.url, run_name, RedisConfig(url=cluster.url), "w1")
+    await bus.redis.connection_pool.disconnect()
+    cluster.kill("sentinel0")  # the one it asks first
+    await asyncio.gather(*(bus.redis.execute_command("PING") for _ in range(8)))  # eight connects at once
+    await asyncio.to_thread(cluster.start_sentinel, 0)
+    cluster.kill("sentinel1")
+    cluster.kill("sentinel2")
+    await bus.redis.connection_pool.disconnect()
+    assert await bus.redis.execute_command("PING")  # through sentinel0 alone
+    await bus.close()
+    with redis.Redis(port=cluster.sentinel_ports[0], decode_responses=True) as sentinel:
+        clients = [c for c in sentinel.client_list() if c["cmd"] != "client|list"]
+    assert clients == [], f"the closed bus left connections on the sentinel: {clients}"

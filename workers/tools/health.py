@@ -15,7 +15,7 @@ import sys
 
 from redis.exceptions import RedisError
 
-from bus.clients import async_client
+from bus.clients import async_client, close_async_client
 from bus.config import redact, redis_password
 from bus.errors import ConfigError
 from bus.keys import Keys
@@ -51,7 +51,7 @@ async def read_beats(config: RlbusConfig) -> list[WorkerBeat]:
     try:
         return await worker_beats(client, Keys(config.run.name).workers())
     finally:
-        await client.aclose()
+        await close_async_client(client)
 
 
 def main(config: RlbusConfig, argv: list[str]) -> int:
