@@ -10,6 +10,7 @@ finds a replica, so after a failover the next retry (``redis.reconnect_timeout_s
 Every worker, tool and lease keeper connects through here, so any of them takes either form.
 """
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -94,6 +95,19 @@ class _AsyncSentinels(AsyncSentinel):
         raise MasterNotFoundError(f"No master found for {service_name!r}: {', '.join(errors) or 'none is primary'}")
 
 
+class _Sentinels(Sentinel):
+    """redis-py's, asking one thread at a time: threads discovering at once lost sentinels as in
+    :class:`_AsyncSentinels`."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._discovering = threading.Lock()
+
+    def discover_master(self, service_name: str):
+        with self._discovering:
+            return super().discover_master(service_name)
+
+
 class _PrimaryConnection(SentinelManagedConnection):
     """:class:`_AsyncPrimaryConnection` for blocking clients."""
 
@@ -117,7 +131,7 @@ async def close_async_client(client: aioredis.Redis) -> None:
 
 def sync_client(url: str, **options: Any) -> redis.Redis:
     """A blocking client of ``url`` (``options`` as for ``redis.Redis``)."""
-    return _client(url, options, redis.Redis, Sentinel, _PrimaryConnection)
+    return _client(url, options, redis.Redis, _Sentinels, _PrimaryConnection)
 
 
 def _client(url: str, options: dict[str, Any], redis_class: type, sentinel_class: type, connection_class: type):

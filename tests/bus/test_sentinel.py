@@ -3,11 +3,12 @@ bus (the primary killed -9, the replica promoted, the same Bus carries on agains
 
 import asyncio
 import signal
+import threading
 
 import pytest
 import redis
 
-from bus.clients import parse_sentinel_url
+from bus.clients import parse_sentinel_url, sync_client
 from bus.config import RedisConfig
 from bus.errors import ConfigError
 from bus.messages import Metric, Task
@@ -123,12 +124,37 @@ async def test_connections_opened_at_once_past_a_dead_sentinel_keep_every_sentin
     await bus.redis.connection_pool.disconnect()
     cluster.kill("sentinel0")  # the one it asks first
     await asyncio.gather(*(bus.redis.execute_command("PING") for _ in range(8)))  # eight connects at once
-    await asyncio.to_thread(cluster.start_sentinel, 0)
-    cluster.kill("sentinel1")
-    cluster.kill("sentinel2")
+    await asyncio.to_thread(only_the_dead_sentinel_left, cluster)
     await bus.redis.connection_pool.disconnect()
     assert await bus.redis.execute_command("PING")  # through sentinel0 alone
     await bus.close()
-    with redis.Redis(port=cluster.sentinel_ports[0], decode_responses=True) as sentinel:
+    assert_no_clients_on(cluster.sentinel_ports[0])
+
+
+def test_threads_connecting_at_once_past_a_dead_sentinel_keep_every_sentinel(cluster):
+    """The blocking client (the exporter's scrapes and its follower thread share one) raced the same way."""
+    client = sync_client(cluster.url)
+    client.connection_pool.disconnect()
+    cluster.kill("sentinel0")
+    start = threading.Barrier(8)
+    threads = [threading.Thread(target=lambda: (start.wait(), client.ping())) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    only_the_dead_sentinel_left(cluster)
+    client.connection_pool.disconnect()
+    assert client.ping()
+    client.close()
+
+
+def only_the_dead_sentinel_left(cluster: SentinelCluster) -> None:
+    cluster.start_sentinel(0)
+    cluster.kill("sentinel1")
+    cluster.kill("sentinel2")
+
+
+def assert_no_clients_on(port: int) -> None:
+    with redis.Redis(port=port, decode_responses=True) as sentinel:
         clients = [c for c in sentinel.client_list() if c["cmd"] != "client|list"]
-    assert clients == [], f"the closed bus left connections on the sentinel: {clients}"
+    assert clients == [], f"the closed client left connections on the sentinel: {clients}"
