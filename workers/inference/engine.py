@@ -168,7 +168,8 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        """Requests waiting for room in the running batch."""
+        """Requests not yet in the running batch: waiting for room, for the next step or for company (as vLLM's
+        ``num_requests_waiting``; :attr:`waiting` counts only the sequences that wait for room)."""
         return len(self._pending)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,

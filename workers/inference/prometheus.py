@@ -1,6 +1,6 @@
 """``GET /metrics`` of the built-in inference server: its engine's figures in Prometheus's text format.
 
-    rlbus_inference_queued_requests{run, server}          requests waiting for room in the running batch
+    rlbus_inference_queued_requests{run, server}          requests not yet in the running batch
     rlbus_inference_running_sequences{run, server}        sequences decoding now
     rlbus_inference_generated_tokens_total{run, server}   tokens sampled since the server started
     rlbus_inference_decode_steps_total{run, server}       decode forward passes
@@ -29,7 +29,7 @@ class EngineCollector:
 
     def collect(self) -> Iterable[Metric]:
         e = self.engine
-        rows = [(GaugeMetricFamily, "queued_requests", "Requests waiting for room in the running batch.", e.queued),
+        rows = [(GaugeMetricFamily, "queued_requests", "Requests not yet in the running batch.", e.queued),
                 (GaugeMetricFamily, "running_sequences", "Sequences decoding now.", e.active),
                 (CounterMetricFamily, "generated_tokens", "Tokens sampled since the server started.",
                  e.generated_tokens),
