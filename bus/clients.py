@@ -84,7 +84,8 @@ class _AsyncSentinels(AsyncSentinel):
             try:
                 masters = await sentinel.sentinel_masters()
             except (redis_errors.ConnectionError, redis_errors.ResponseError, redis_errors.TimeoutError) as e:
-                errors.append(f"{sentinel} - {e!r}")
+                address = sentinel.connection_pool.connection_kwargs
+                errors.append(f"{address.get('host')}:{address.get('port')}: {type(e).__name__}: {e}")
                 continue
             state = masters.get(service_name)
             if state and self.check_master_state(state, service_name):
@@ -92,7 +93,8 @@ class _AsyncSentinels(AsyncSentinel):
                 self.sentinels[0], self.sentinels[at] = sentinel, self.sentinels[0]
                 ip = state["ip"] if self._force_master_ip is None else self._force_master_ip
                 return ip, state["port"]
-        raise MasterNotFoundError(f"No master found for {service_name!r}: {', '.join(errors) or 'none is primary'}")
+        raise MasterNotFoundError(f"no sentinel names a healthy primary {service_name!r}: "
+                                  f"{'; '.join(errors) or 'those that answered see it down or do not monitor it'}")
 
 
 class _Sentinels(Sentinel):
