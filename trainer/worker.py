@@ -47,6 +47,7 @@ from trainer.tenure import TrainerTenure
 from trainer.weights import (
     INDEX_NAME,
     HostCopy,
+    nonfinite_tensors,
     prune_weights,
     remove_interrupted_saves,
     save_weights,
@@ -310,7 +311,7 @@ class TrainerWorker:
             return
         if self.lora is not None:
             state = adapter_tensors(state)
-        bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+        bad = nonfinite_tensors(state)
         if bad:
             raise RlbusError(f"weights of step {step} hold NaN or inf ({bad[:3]}); not publishing them. The trainer "
                              f"restarts from its latest checkpoint; lower trainer.lr or check the rewards if it recurs")

@@ -87,3 +87,16 @@ def test_a_damaged_folder_fails_its_manifest_check_before_it_is_published_again(
     (tmp_path / "step_1" / MANIFEST_NAME).unlink()
     with pytest.raises(ValueError, match=MANIFEST_NAME):
         verified_weights(tmp_path / "step_1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nonfinite_tensors_names_each_tensor_with_a_nan_or_inf_and_only_those(dtype):
+    from trainer.weights import nonfinite_tensors
+
+    state = {"a": torch.ones(4, 3, dtype=dtype), "b": torch.zeros(5, dtype=torch.float32),
+             "c": torch.arange(3), "empty": torch.ones(0, dtype=dtype)}
+    assert nonfinite_tensors(state) == []
+    state["a"][1, 2], state["b"][0] = float("nan"), float("-inf")
+    assert nonfinite_tensors(state) == ["a", "b"]
+    # finite values whose norm overflows are not flagged
+    assert nonfinite_tensors({"big": torch.full((4,), 3e38, dtype=torch.float32)}) == []
