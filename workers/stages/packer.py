@@ -202,8 +202,7 @@ class PackerWorker:
                     del self._replay[stream]
                     continue
                 self._replay[stream] = next_after
-                for entry in entries:
-                    await self._hold(entry)
+                await self._hold_all(entries)
             return
         entries: list[Entry] = []
         if reclaim:  # idle entries of a dead consumer; our own held ones are kept busy by Bus.keep_claimed
@@ -213,15 +212,30 @@ class PackerWorker:
         entries += await self.bus.read_group(
             self.streams, GROUP_PACKER, count=64, block_ms=self.config.redis.block_ms
         )
-        for entry in entries:
-            await self._hold(entry)
+        await self._hold_all(entries)
 
     async def _read_queued(self) -> None:
         """A step has its minimum: also take what is queued right now (no waiting), for ``max_batch_size``."""
-        for entry in await self.bus.read_group(self.streams, GROUP_PACKER, count=64, block_ms=None):
-            await self._hold(entry)
+        await self._hold_all(await self.bus.read_group(self.streams, GROUP_PACKER, count=64, block_ms=None))
 
-    async def _hold(self, entry: Entry) -> None:
+    async def _hold_all(self, entries: list[Entry]) -> None:
+        """Hold each entry read, asking Redis once for all of their tasks' packed bits."""
+        packed = await self._packed_bits([e.message for e in entries if isinstance(e.message, RolloutGroup)])
+        for entry in entries:
+            await self._hold(entry, packed)
+
+    async def _packed_bits(self, groups: list[RolloutGroup]) -> dict[str, bool]:
+        """Whether each group's task was packed or dropped as stale already (its bit in ``packed:{env}:{epoch}``),
+        by task id; one pipeline for all."""
+        positions = {g.task_id: p for g in groups if (p := task_position(g.task_id)) is not None}
+        if not positions:
+            return {}
+        pipe = self.bus.redis.pipeline(transaction=False)
+        for env, epoch, index in positions.values():
+            pipe.getbit(self.bus.keys.packed(env, epoch), index)
+        return dict(zip(positions, map(bool, await pipe.execute()), strict=True))
+
+    async def _hold(self, entry: Entry, packed: dict[str, bool]) -> None:
         if (entry.stream, entry.id) in self._ids:
             return
         if not isinstance(entry.message, RolloutGroup):
@@ -229,7 +243,7 @@ class PackerWorker:
                 entry, reason=f"expected a rollout_group, got {entry.message.KIND}", group=GROUP_PACKER
             )
             return
-        if await self._consumed_before(entry.message):
+        if self._consumed_before(entry.message, packed):
             await self._drop_duplicate(entry)
             return
         outside = out_of_vocabulary(entry.message, self.vocab_size)
@@ -255,15 +269,10 @@ class PackerWorker:
             (fresh if keep else self.stale).append(held)
         self.held = fresh
 
-    async def _consumed_before(self, group: RolloutGroup) -> bool:
-        """Whether a group of this task is held here or was packed or dropped as stale already."""
-        if any(h.group.task_id == group.task_id for h in self.held + self.stale):
-            return True
-        position = task_position(group.task_id)
-        if position is None:
-            return False
-        env, epoch, index = position
-        return bool(await self.bus.redis.getbit(self.bus.keys.packed(env, epoch), index))
+    def _consumed_before(self, group: RolloutGroup, packed: dict[str, bool]) -> bool:
+        """Whether a group of this task is held here or was packed or dropped as stale already (``packed``: from
+        :meth:`_packed_bits`)."""
+        return any(h.group.task_id == group.task_id for h in self.held + self.stale) or packed.get(group.task_id, False)
 
     async def _drop_duplicate(self, entry: Entry) -> None:
         """Ack a second group of one task, count it, release nothing (the feeder counted the task once)."""

@@ -254,6 +254,29 @@ async def test_a_second_group_for_the_same_task_is_dropped_and_counted(bus, redi
         assert await b.state_get("inflight") == "0"
 
 
+async def test_a_group_of_a_task_packed_at_an_earlier_step_is_dropped_in_a_read_with_others(bus, redis_url,
+                                                                                             run_name, model_dir):
+    """The packed bits of a read's groups come from one pipeline: a late duplicate among new groups is still caught,
+    and the new ones are held."""
+    cfg = config(redis_url, run_name, model_dir, batch_size=2)
+
+    async with bus("test") as b:
+        stream = b.keys.filtered(ENV)
+        await b.state_set(inflight=6)
+        await b.publish(stream, group(1, [1.0, 0.0]))
+        worker = PackerWorker(cfg, worker="packer-0")
+        await worker.setup()
+        await read_all(worker)
+        await worker.build(1)
+        for task in (2, 1, 3):  # task 1 again, after its step was committed: a bug upstream
+            await b.publish(stream, group(task, [1.0, 0.0]))
+        await worker._read(reclaim=False)
+        await worker.close()
+        assert [h.group.task_id for h in worker.held] == [f"{ENV}:0:2", f"{ENV}:0:3"]
+        metrics = [Metric.from_fields(f).values for _, f in await b.redis.xrange(b.keys.metrics())]
+        assert sum(m.get("packer/duplicate_groups", 0) for m in metrics) == 1
+
+
 async def test_a_second_packer_waits_as_a_standby_and_takes_over_the_first_ones_groups(bus, redis_url,
                                                                                        run_name, model_dir):
     cfg = config(redis_url, run_name, model_dir, lease_ttl_s=0.6)
