@@ -22,11 +22,12 @@ import redis
 from bus.arrays import packb
 from bus.config import RedisConfig
 from bus.keys import GROUP_PACKER, Keys
-from bus.local_redis import LocalRedis, free_port
+from bus.local_redis import LocalRedis
 from bus.messages import DeadLetter, RolloutGroup, Sample
 from bus.state import reconcile_inflight
 from bus.streams import Bus
 from tests.paths import REPO
+from tests.ports import free_port_block
 from tests.run_redis import run_redis_url
 from tests.workers.run import chaos
 
@@ -48,7 +49,7 @@ for which there is no reference answer, are RL's to learn)."""
 def start_run(out: Path, model_dir: Path, *overrides: str, extra: tuple[str, ...] = (),
               config: Path = DEFAULT) -> subprocess.Popen:
     argv = [sys.executable, "-m", "workers.cli", "run", "@", str(config), "--run.output_dir", str(out),
-            "--model.path", str(model_dir), "--inference.port", str(free_port()), *overrides, *extra]
+            "--model.path", str(model_dir), "--inference.port", str(free_port_block()), *overrides, *extra]
     out.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.stdout", "w") as log:  # the child keeps its own copy
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
