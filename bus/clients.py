@@ -136,6 +136,14 @@ def sync_client(url: str, **options: Any) -> redis.Redis:
     return _client(url, options, redis.Redis, _Sentinels, _PrimaryConnection)
 
 
+def close_sync_client(client: redis.Redis) -> None:
+    """:func:`close_async_client` for a :func:`sync_client`."""
+    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    client.close()
+    for sentinel in manager.sentinels if manager is not None else ():
+        sentinel.close()
+
+
 def _client(url: str, options: dict[str, Any], redis_class: type, sentinel_class: type, connection_class: type):
     if not is_sentinel_url(url):
         return redis_class.from_url(url, **options)

@@ -26,7 +26,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from bus.clients import sync_client
+from bus.clients import close_sync_client, sync_client
 from bus.errors import RlbusError
 from bus.streams import Bus
 
@@ -160,4 +160,4 @@ class LeaseKeeper(threading.Thread):
     def close(self) -> None:
         self._closing.set()
         self.join(timeout=5)
-        self.client.close()
+        close_sync_client(self.client)

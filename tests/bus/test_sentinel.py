@@ -8,7 +8,7 @@ import threading
 import pytest
 import redis
 
-from bus.clients import parse_sentinel_url, sync_client
+from bus.clients import close_sync_client, parse_sentinel_url, sync_client
 from bus.config import RedisConfig
 from bus.errors import ConfigError
 from bus.messages import Metric, Task
@@ -132,7 +132,8 @@ async def test_connections_opened_at_once_past_a_dead_sentinel_keep_every_sentin
 
 
 def test_threads_connecting_at_once_past_a_dead_sentinel_keep_every_sentinel(cluster):
-    """The blocking client (the exporter's scrapes and its follower thread share one) raced the same way."""
+    """The blocking client (the exporter's scrapes and its follower thread share one) raced the same way; closing it
+    closes its sentinel connections too."""
     client = sync_client(cluster.url)
     client.connection_pool.disconnect()
     cluster.kill("sentinel0")
@@ -145,7 +146,8 @@ def test_threads_connecting_at_once_past_a_dead_sentinel_keep_every_sentinel(clu
     only_the_dead_sentinel_left(cluster)
     client.connection_pool.disconnect()
     assert client.ping()
-    client.close()
+    close_sync_client(client)
+    assert_no_clients_on(cluster.sentinel_ports[0])
 
 
 def only_the_dead_sentinel_left(cluster: SentinelCluster) -> None:

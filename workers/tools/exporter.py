@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.core import Metric as PromMetric
 from prometheus_client.registry import CollectorRegistry
 
-from bus.clients import sync_client
+from bus.clients import close_sync_client, sync_client
 from bus.config import redact, redis_password
 from bus.errors import ConfigError
 from bus.keys import Keys
@@ -248,7 +248,7 @@ class Exporter:
         self.stop_serving()
         if self._follow.is_alive():
             self._follow.join(timeout=5)
-        self.client.close()
+        close_sync_client(self.client)
 
 
 def parse_args(argv: list[str], config: RlbusConfig) -> argparse.Namespace:

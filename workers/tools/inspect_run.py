@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import redis
 
-from bus.clients import sync_client
+from bus.clients import close_sync_client, sync_client
 from bus.config import redact, redis_password
 from bus.errors import ConfigError, DecodeError
 from bus.keys import Keys
@@ -217,5 +217,5 @@ def main(config: RlbusConfig | None, argv: list[str]) -> int:
             report = run_report(client, keys)
             print(json.dumps(report, indent=2) if args.json else format_report(report))
     finally:
-        client.close()
+        close_sync_client(client)
     return 0
