@@ -132,29 +132,35 @@ class ChunkedLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def packed_layout(lengths: Tensor, shared: Tensor) -> tuple[Tensor, Tensor]:
-    """``(attention mask [T, T] bool, sources [T] int64)`` of packed samples with shared prompts.
+def packed_layout(lengths: Tensor, shared: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(attention mask [T, T] bool, sources [T] int64)`` of packed samples with shared prompts; with ``width``,
+    of rows of ``width`` tokens that the samples fill in order (none across a row's end): ``[R, W, W]`` and
+    ``[R, W]``, each row laid out on its own.
 
     ``lengths`` ``[k]`` are the tokens each sample holds, ``shared`` ``[k]`` the prompt tokens it reads from its
-    holder (the nearest earlier sample sharing none; see ``MicroBatch.shared_prompt_lengths``). Token ``t`` attends
-    to its own sample's tokens up to ``t`` and to the first ``shared`` tokens of its sample's holder; ``sources[t]``
-    is the token whose hidden state predicts it (``t − 1``; for the first token of a sample that shares, the
-    holder's token ``shared − 1``; −1 for the first token of one that does not).
+    holder (the nearest earlier sample of its row sharing none; see ``MicroBatch.shared_prompt_lengths``). Token
+    ``t`` attends to its own sample's tokens up to ``t`` and to the first ``shared`` tokens of its sample's holder;
+    ``sources[t]`` is the token whose hidden state predicts it (``t − 1``; for the first token of a sample that
+    shares, the holder's token ``shared − 1``; −1 for the first token of one that does not).
     """
     k = len(lengths)
     device = lengths.device
+    total = int(lengths.sum())
+    w = total if width is None else width
     starts = lengths.cumsum(0) - lengths
+    local = starts % w  # each sample's first token in its row
     samples = torch.arange(k, device=device)
-    holders = torch.where(shared == 0, samples, 0).cummax(0).values
-    sample_of = torch.repeat_interleave(samples, lengths)
-    low = torch.repeat_interleave(starts[holders], lengths)
-    high = low + torch.repeat_interleave(shared, lengths)
-    t = torch.arange(len(sample_of), device=device)
-    own = (sample_of[:, None] == sample_of[None, :]) & (t[None, :] <= t[:, None])
-    mask = own | ((t[None, :] >= low[:, None]) & (t[None, :] < high[:, None]))
-    sources = t - 1
-    sources[starts] = torch.where(shared > 0, starts[holders] + shared - 1, -1)
-    return mask, sources
+    holders = torch.where((shared == 0) | (local == 0), samples, 0).cummax(0).values
+    sample_of = torch.repeat_interleave(samples, lengths, output_size=total).view(-1, w)
+    low = torch.repeat_interleave(local[holders], lengths, output_size=total).view(-1, w)
+    high = low + torch.repeat_interleave(shared, lengths, output_size=total).view(-1, w)
+    t = torch.arange(w, device=device)
+    own = (sample_of[:, :, None] == sample_of[:, None, :]) & (t[None, :] <= t[:, None])
+    mask = own | ((t >= low[:, :, None]) & (t < high[:, :, None]))
+    sources = (t - 1).repeat(len(mask))
+    sources[starts] = torch.where(shared > 0, local[holders] + shared - 1, -1)
+    sources = sources.view(-1, w)
+    return (mask[0], sources[0]) if width is None else (mask, sources)
 
 
 @dataclass

@@ -5,8 +5,8 @@ A segment is a sample that holds its own prompt and the samples after it that re
 (``MicroBatch.shared_prompt_lengths``): no token attends outside its segment. A micro-batch packs several segments
 into one long sequence, and attending over it costs the square of its length; cut into rows of at most the longest
 segment, the same tokens cost the sum of the rows' squares (a 1024-token micro-batch of four 240-token groups:
-a third of the trainer step on the CPU). Each row is laid out by :func:`~trainer.logprobs.packed_layout`, its
-padding a sample of its own; :attr:`Rows.index` maps every micro-batch's tokens back to their place in the rows.
+a third of the trainer step on the CPU). The rows are laid out by :func:`~trainer.logprobs.packed_layout`, each
+row's padding a sample of its own; :attr:`Rows.index` maps every micro-batch's tokens back to their place in the rows.
 """
 
 from dataclasses import dataclass
@@ -86,29 +86,34 @@ def lay_out(input_ids: list[Tensor], position_ids: list[Tensor], temperatures: l
     parts = [s for b, (n, p) in enumerate(zip(lengths, shared, strict=True)) for s in segments(b, n, p)]
     width, rows = pack_segments(parts)
     device = input_ids[0].device
-    flat = [np.empty(len(ids), dtype=np.int64) for ids in input_ids]
-    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    pos = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    temps = torch.ones(len(rows), width, dtype=torch.float32, device=device)
-    masks, sources = [], []
+    offsets = np.cumsum([0] + [len(ids) for ids in input_ids])  # each micro-batch's place in their concatenation
+    gather = np.full(len(rows) * width, -1, dtype=np.int64)
+    """Per row slot: the token of the concatenation it holds, −1 for padding."""
+    used = np.zeros(len(rows), dtype=np.int64)
+    row_lengths: list[int] = []
+    row_shared: list[int] = []
     for r, row in enumerate(rows):
-        at, row_lengths, row_shared = 0, [], []
         for part in row:
-            size = part.end - part.start
-            ids[r, at:at + size] = input_ids[part.batch][part.start:part.end]
-            pos[r, at:at + size] = position_ids[part.batch][part.start:part.end]
-            temps[r, at:at + size] = temperatures[part.batch][part.start:part.end]
-            flat[part.batch][part.start:part.end] = np.arange(r * width + at, r * width + at + size)
+            place = r * width + used[r]
+            gather[place:place + part.end - part.start] = np.arange(offsets[part.batch] + part.start,
+                                                                    offsets[part.batch] + part.end)
+            used[r] += part.end - part.start
             row_lengths += part.lengths
             row_shared += part.shared
-            at += size
-        if at < width:  # the padding: a sample of its own, positions from 0
-            pos[r, at:] = torch.arange(width - at, device=device)
-            row_lengths.append(width - at)
+        if used[r] < width:  # the padding: a sample of its own, positions from 0
+            row_lengths.append(width - int(used[r]))
             row_shared.append(0)
-        mask, source = packed_layout(torch.tensor(row_lengths, device=device),
-                                     torch.tensor(row_shared, device=device))
-        masks.append(mask)
-        sources.append(source)
-    index = [torch.from_numpy(f).to(device) for f in flat]
-    return Rows(ids, pos, temps, torch.stack(masks), torch.stack(sources), index)
+    pad = gather < 0
+    place = torch.from_numpy(np.where(pad, 0, gather)).to(device)
+    pad_t = torch.from_numpy(pad).to(device)
+    pad_pos = torch.from_numpy((np.arange(width)[None, :] - used[:, None]).reshape(-1)).to(device)
+    ids = torch.cat(input_ids)[place].masked_fill_(pad_t, 0)
+    pos = torch.where(pad_t, pad_pos, torch.cat(position_ids)[place])
+    temps = torch.cat(temperatures)[place].masked_fill_(pad_t, 1.0)
+    mask, sources = packed_layout(torch.tensor(row_lengths, device=device), torch.tensor(row_shared, device=device),
+                                  width)
+    slot_of = np.empty(offsets[-1], dtype=np.int64)
+    slot_of[gather[~pad]] = np.flatnonzero(~pad)
+    index = [torch.from_numpy(slot_of[offsets[b]:offsets[b + 1]]).to(device) for b in range(len(input_ids))]
+    return Rows(ids.view(len(rows), width), pos.view(len(rows), width), temps.view(len(rows), width).float(), mask,
+                sources, index)

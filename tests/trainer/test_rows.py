@@ -58,3 +58,13 @@ def test_a_step_over_micro_batches_of_several_groups_equals_one_without_sharing(
     assert_same_gradients(g_shared, g_own, atol=1e-5)
     for name in ("loss", "loss/rl", "entropy", "mismatch_kl", "samples", "reward_mean"):
         assert m_shared[name] == pytest.approx(m_own[name], rel=1e-5, abs=1e-6), name
+
+
+def test_rows_laid_out_at_once_match_each_row_laid_out_alone():
+    rows = [([5, 2, 3, 2], [0, 3, 3, 0]), ([4, 2, 6], [0, 4, 0]), ([3, 9], [0, 0])]
+    lengths = torch.tensor([n for row, _ in rows for n in row])
+    shared = torch.tensor([s for _, row in rows for s in row])
+    mask, sources = packed_layout(lengths, shared, width=12)
+    for r, (row_lengths, row_shared) in enumerate(rows):
+        alone = packed_layout(torch.tensor(row_lengths), torch.tensor(row_shared))
+        assert torch.equal(mask[r], alone[0]) and torch.equal(sources[r], alone[1])
