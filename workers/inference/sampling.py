@@ -75,17 +75,23 @@ def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.T
     logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
     candidates = _restrict(logprobs, rows) if rows.any_filtered else logprobs
     # Exponential race (Gumbel-max): argmax(log p - log E), E ~ Exp(1), draws from p.
-    noise = torch.empty_like(candidates)
-    seeded = [i for i, g in enumerate(rows.generators) if g is not None]
-    noise.exponential_()
-    for i in seeded:
-        noise[i] = (torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(generator=rows.generators[i])
-                    .to(noise.device))
+    noise = _exponential(candidates.shape, candidates.device)
+    for i, generator in enumerate(rows.generators):
+        if generator is not None:
+            noise[i] = _exponential((noise.shape[1],), torch.device("cpu"), generator).to(noise.device)
     tokens = torch.argmax(candidates - noise.log(), dim=-1)
     if rows.any_greedy:
         tokens = torch.where(greedy.to(tokens.device), torch.argmax(logits, dim=-1), tokens)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return tokens, chosen, logprobs
+
+
+def _exponential(shape: tuple[int, ...], device: torch.device,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exp(1) draws as ``-log(1 - U)``: a third of ``Tensor.exponential_``'s time on the CPU; kept above the
+    smallest normal float, so that ``log`` of one is finite (a token restricted to -inf stays out of the race)."""
+    uniform = torch.rand(shape, device=device, generator=generator)
+    return uniform.neg_().log1p_().neg_().clamp_min_(torch.finfo(uniform.dtype).tiny)
 
 
 def _restrict(logprobs: torch.Tensor, rows: RowParams) -> torch.Tensor:

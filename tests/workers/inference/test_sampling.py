@@ -32,3 +32,12 @@ def test_seeded_rows_repeat_and_follow_the_distribution():
     assert abs(draws.count(0) / 2000 - 0.7) < 0.05
     again = [sample(logits, _rows(SamplingParams(), seeds=[s]))[0].item() for s in range(50)]
     assert again == draws[:50]
+
+
+def test_a_batch_of_rows_draws_from_the_distribution_and_never_a_restricted_token():
+    logits = torch.log(torch.tensor([[0.6, 0.25, 0.1, 0.05]] * 4000))
+    tokens, _, _ = sample(logits, _rows(*[SamplingParams()] * 2000, *[SamplingParams(top_k=2)] * 2000))
+    free = torch.bincount(tokens[:2000], minlength=4) / 2000
+    assert torch.allclose(free, torch.tensor([0.6, 0.25, 0.1, 0.05]), atol=0.035)
+    assert set(tokens[2000:].tolist()) == {0, 1}
+    assert abs((tokens[2000:] == 0).float().mean().item() - 0.6 / 0.85) < 0.035
