@@ -105,8 +105,13 @@ def entry_kind(fields: Mapping[Any, Any]) -> str:
     return _text(_get(fields, b"kind"))
 
 
-def decode_as(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
-    """Decode a stream entry as a ``cls`` message (its kind already checked); any problem raises DecodeError."""
+def entry_data(fields: Mapping[Any, Any]) -> Any:
+    """The ``data`` field of a stream entry (msgpack); DecodeError when it has none."""
+    return _get(fields, b"data")
+
+
+def entry_version(cls: type[Message], fields: Mapping[Any, Any]) -> int:
+    """The schema version of a stream entry of kind ``cls``; DecodeError when it is none or newer than this reader's."""
     raw_v = _get(fields, b"v")
     try:
         version = int(raw_v)
@@ -116,19 +121,36 @@ def decode_as(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
         raise DecodeError(
             f"{cls.KIND} schema v={version} is newer than this reader's v={cls.V}; upgrade rlbus on this worker"
         )
+    return version
+
+
+def decode_as(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
+    """Decode a stream entry as a ``cls`` message (its kind already checked); any problem raises DecodeError."""
+    version = entry_version(cls, fields)
     data = _get(fields, b"data")
     if version < cls.TRIPLES_BEFORE:
         return _decode_triples(cls, version, data)
+    return decode_data(cls, version, data)
+
+
+def decode_data(cls: type, version: int, data: bytes) -> Any:
+    """The ``data`` field of a ``cls`` entry decoded into ``cls`` (a message, or a struct with some of its fields:
+    the others are skipped unread); any problem raises DecodeError."""
     try:
         return typed_decoder(cls).decode(data)
     except msgspec.ValidationError as e:
+        kind = _kind_name(cls)
         if data[:1] and data[0] not in _MAP_HEADS:
-            raise DecodeError(f"{cls.KIND} data: expected a map ({e})") from e
-        raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
+            raise DecodeError(f"{kind} data: expected a map ({e})") from e
+        raise DecodeError(f"{kind} v{version} does not validate: {e}") from e
     except msgspec.DecodeError as e:
         raise DecodeError(f"not valid msgpack: {e}") from e
     except (TypeError, ValueError, OverflowError) as e:  # whatever the bytes were
-        raise DecodeError(f"{cls.KIND} v{version} does not validate: {e}") from e
+        raise DecodeError(f"{_kind_name(cls)} v{version} does not validate: {e}") from e
+
+
+def _kind_name(cls: type) -> str:
+    return getattr(cls, "KIND", cls.__name__)
 
 
 def _decode_triples(cls: type[Message], version: int, data: bytes) -> Message:
@@ -209,7 +231,7 @@ def check_at_least(name: str, value: int, low: int) -> None:
 
 
 @functools.cache
-def typed_decoder(cls: type[Message]) -> msgspec.msgpack.Decoder:
-    """The typed decoder of message kind ``cls``: the bytes go straight into the struct, every field checked as it
-    is read."""
+def typed_decoder(cls: type) -> msgspec.msgpack.Decoder:
+    """The typed decoder of message kind ``cls`` (or of a struct of some of its fields): the bytes go straight into the
+    struct, every field checked as it is read."""
     return msgspec.msgpack.Decoder(cls)

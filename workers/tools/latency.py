@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bus.messages import MicroBatch, RolloutGroup, Task
+from bus.messages import Task
+from bus.views import BatchView, GroupView
 
 HOPS = ("queued", "generating", "filtering", "packing", "training")
 """The hops of a training sample, in order."""
@@ -106,7 +107,7 @@ class HopLatency:
         if task.eval_step is None:
             self._tasks[task.task_id] = at_ms
 
-    def rollout(self, at_ms: int, group: RolloutGroup) -> None:
+    def rollout(self, at_ms: int, group: GroupView) -> None:
         if group.eval_step is not None:
             return
         total_s = float(group.timings.get("total_s", 0.0))
@@ -116,13 +117,13 @@ class HopLatency:
             self._observe("queued", issued, at_ms - total_s * 1000)
         self._rollouts[group.task_id] = at_ms
 
-    def filtered(self, at_ms: int, group: RolloutGroup) -> None:
+    def filtered(self, at_ms: int, group: GroupView) -> None:
         rolled = self._rollouts.pop(group.task_id, None)
         if rolled is not None:
             self._observe("filtering", rolled, at_ms)
         self._filtered[group.task_id] = at_ms
 
-    def batch(self, at_ms: int, mb: MicroBatch) -> None:
+    def batch(self, at_ms: int, mb: BatchView) -> None:
         """One micro-batch of step ``mb.step`` (call :meth:`step_done` after the step's last one)."""
         versions = mb.policy_versions.tolist()
         for task_id in dict.fromkeys(t for t in mb.task_ids if t):

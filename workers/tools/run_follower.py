@@ -18,9 +18,10 @@ import redis
 
 from bus.errors import DecodeError
 from bus.keys import Keys
-from bus.messages import DeadLetter, Metric, MicroBatch, PolicyVersion, RolloutGroup, Task, decode
+from bus.messages import DeadLetter, Metric, PolicyVersion, Task, decode
 from bus.observe import group_streams, id_ms, read_after, read_all
 from bus.state import LAST_STEP_FIELD
+from bus.views import BatchView, GroupView, decode_view
 from workers.tools.latency import LATENCY_BUCKETS_S, Histogram, HopLatency
 
 SUMMED = {
@@ -107,11 +108,11 @@ class RunFollower:
         return len(entries) + self._follow_batches()
 
     def _entry(self, stream: str, entry_id: str, fields: dict) -> None:
-        try:
-            message = decode(fields)
+        family, at_ms = self.keys.family(stream), id_ms(entry_id)
+        try:  # of a group, only what the hops need: its samples are the stages' to read
+            message = decode_view(GroupView, fields) if family in ("rollouts", "filtered") else decode(fields)
         except DecodeError:
             return  # a stage dead-letters it; its dead letter is counted
-        family, at_ms = self.keys.family(stream), id_ms(entry_id)
         if isinstance(message, Metric):
             self._metric(message)
         elif isinstance(message, DeadLetter):
@@ -120,9 +121,9 @@ class RunFollower:
             self._policy(at_ms, message)
         elif isinstance(message, Task):
             self.latency.task(at_ms, message)
-        elif isinstance(message, RolloutGroup) and family == "rollouts":
+        elif isinstance(message, GroupView) and family == "rollouts":
             self.latency.rollout(at_ms, message)
-        elif isinstance(message, RolloutGroup) and family == "filtered":
+        elif isinstance(message, GroupView):
             self.latency.filtered(at_ms, message)
 
     def _metric(self, metric: Metric) -> None:
@@ -174,10 +175,8 @@ class RunFollower:
                 self.latency.step_started()
                 for entry_id, fields in entries:
                     try:
-                        mb = decode(fields)
+                        self.latency.batch(id_ms(entry_id), decode_view(BatchView, fields))
                     except DecodeError:
                         continue
-                    if isinstance(mb, MicroBatch):
-                        self.latency.batch(id_ms(entry_id), mb)
             read += len(entries)
             self.next_step += 1
