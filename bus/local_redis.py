@@ -65,6 +65,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether ``port`` on ``host`` can be bound now (a server about to start there would get it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
 class LocalRedis:
     """One redis-server process bound to 127.0.0.1, data (AOF) in ``dir`` (a temp dir when None)."""
 

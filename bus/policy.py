@@ -81,10 +81,11 @@ class PolicyTracker:
         """The step every live server serves at least (MIN over live servers); 0 while none is live."""
         return min((step for server, step in self.served_by.items() if server in self.live), default=0)
 
-    async def refresh(self, block_ms: int | None = None) -> bool:
+    async def refresh(self, block_ms: int | None = None, live: bool = True) -> bool:
         """Read the policy events published since the last refresh; True when there were any.
 
-        ``block_ms``: wait up to this long for the first new event (None: don't wait).
+        ``block_ms``: wait up to this long for the first new event (None: don't wait); ``live``: also find which
+        servers are live (:attr:`live`), after new events or once it is out of date.
         """
         seen = False
         while True:
@@ -99,7 +100,7 @@ class PolicyTracker:
                     self.served_by[event.server] = event.step
             seen = seen or bool(events)
             if len(events) < _PAGE:
-                if seen or time.monotonic() - self._live_at >= self._live_every_s:
+                if live and (seen or time.monotonic() - self._live_at >= self._live_every_s):
                     await self._refresh_live()
                 return seen
             block_ms = None

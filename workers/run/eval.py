@@ -16,9 +16,11 @@ Binary rewards (every reward 0 or 1) report ``pass@k`` for k = 1, 2, 4, … ≤ 
 unbiased estimator ``1 − C(n−c, k) / C(n, k)`` (Chen et al., 2021); others report the mean reward.
 """
 
+import asyncio
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bus.entries import Entry
@@ -126,6 +128,8 @@ class EvalCoordinator:
         self.indices = {name: self._indices(env, sizes[name]) for name, env in self.envs.items()}
         self.pending: dict[tuple[str, int], _Pending] = {}
         self.finished: set[tuple[str, int]] = set()
+        self.issued: dict[str, int | None] = {}
+        """Each env's newest eval step issued, as :meth:`issue_due` last found it."""
         self.log = get_logger(worker="eval", run=config.run.name)
         self.dead_last_id = "0"
         """Where the coordinator reads ``dead`` from: set at setup to its end (older evals are done or time out)."""
@@ -173,7 +177,7 @@ class EvalCoordinator:
         for name, env in self.envs.items():
             field_name = eval_issued_field(name)
             raw = await self.bus.state_get(field_name)
-            issued = int(raw) if raw is not None else None
+            issued = self.issued[name] = int(raw) if raw is not None else None
             step = eval_steps_due(self.tracker.trained, issued, self.config.eval_interval(env),
                                   self.config.run.max_steps, self.config.eval.skip_first_step)
             if step is None:
@@ -188,7 +192,41 @@ class EvalCoordinator:
             await self.bus.commit([], tasks,
                                   extra=lambda pipe, f=field_name, s=step: pipe.hset(self.bus.keys.state(), f, s))
             self.pending.setdefault((name, step), _Pending(expected=len(tasks)))
+            self.issued[name] = step
             self.log.info("eval_issued", env=name, step=step, tasks=len(tasks))
+
+    async def run(self, on_finished: Callable[[], None]) -> None:
+        """Issue each eval as soon as its step is trained and collect the groups; ``on_finished()`` after each eval
+        that finishes (``rlbus run`` may end on it)."""
+        issuing = asyncio.ensure_future(self.issue_on_time(block_ms=1000))
+        try:
+            while True:
+                finished = len(self.finished)
+                await self.collect(block_ms=500)
+                if issuing.done() and issuing.exception() is not None:
+                    raise issuing.exception()
+                if len(self.finished) > finished:
+                    on_finished()
+        finally:
+            issuing.cancel()
+            await asyncio.gather(issuing, return_exceptions=True)
+
+    def next_due(self) -> int | None:
+        """The step at which the next eval of some env falls due (None: none left); after :meth:`issue_due`."""
+        steps = [next_eval_step(self.issued.get(name), self.config.eval_interval(env), self.config.run.max_steps,
+                                self.config.eval.skip_first_step) for name, env in self.envs.items()]
+        return min((s for s in steps if s is not None), default=None)
+
+    async def issue_on_time(self, block_ms: int) -> None:
+        """Issue every eval as soon as its step is trained: :meth:`issue_due`, then block on the ``policy`` stream
+        until the next one falls due; returns once none is left."""
+        while True:
+            await self.issue_due()
+            due = self.next_due()
+            if due is None:
+                return
+            while self.tracker.trained < due:
+                await self.tracker.refresh(block_ms=block_ms, live=False)
 
     async def collect(self, block_ms: int | None = None) -> None:
         """Read new entries of ``rollouts:*``; ack training groups; finish complete evals."""

@@ -122,7 +122,7 @@ def moving_mean(values: list[float], window: int = 10) -> list[float]:
 
 def pyplot():
     """matplotlib's ``pyplot`` on the Agg backend, imported on first use (~0.4 s; ``rlbus run`` does it while its
-    workers stop)."""
+    workers start)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +134,8 @@ def pyplot():
 def write_report(rows: list[Row], output_dir: Path, title: str = "") -> Path:
     """``report.png``: training reward and eval curves, tokens/s, stale fraction, each against step."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.13, top=0.86, wspace=0.22)  # fixed: a layout engine costs 0.1 s
     ax = axes[0]
     rewards = train_reward(rows)
     ax.plot(list(rewards), list(rewards.values()), label="train reward", color="tab:blue", alpha=0.35)

@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from rich.live import Live
 from bus import curve
 from bus.config import redact
 from bus.errors import CONFIG_EXIT_CODE, ConfigError, RlbusError
-from bus.local_redis import free_port, redis_answers, redis_binary, redis_server_argv, write_secret
+from bus.local_redis import free_port, port_free, redis_answers, redis_binary, redis_server_argv, write_secret
 from bus.log import get_logger
 from bus.messages import Metric
 from bus.state import DATA_EXHAUSTED, STOP_REASON_FIELD, exhausted_at
@@ -83,6 +82,8 @@ class RunSession:
         self.sup = Supervisor(self.output_dir / "logs", on_event=self._on_event)
         self.threads = torch_threads(config)
         self.stop = asyncio.Event()
+        self.wake = asyncio.Event()
+        """Set when the status loop should look now, not at its next tick (an eval finished, a stop)."""
         self.stopped_because = "stopped"
         self.fatal: str | None = None
         self.secrets: dict[str, str] = {}
@@ -94,6 +95,8 @@ class RunSession:
         """The last metrics entry copied to metrics.jsonl."""
         self.tty = sys.stdout.isatty()
         self.exporter: Exporter | None = None
+        self.plotting: asyncio.Future | None = None
+        """The import of pyplot for report.png, started with the run."""
 
     # Events from the supervisor: shown in the status panel (or printed).
 
@@ -110,7 +113,7 @@ class RunSession:
             if info["exit_code"] == CONFIG_EXIT_CODE and not self.sup.stopping:
                 self.fatal = (f"{info['name']} failed on its config (exit code {CONFIG_EXIT_CODE}); "
                               f"see {info['log']}:\n" + _tail(info["log"]))
-                self.stop.set()
+                self._request_stop()
         else:
             text = f"{event} {info}"
         self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
@@ -190,7 +193,7 @@ class RunSession:
         own_teacher = needs_teacher_server(self.config) and not self.attach
         teacher = [self.config.inference.port + len(ports)] if own_teacher else []
         for port in ports + teacher:
-            if not _port_free(self.config.inference.host, port):
+            if not port_free(self.config.inference.host, port):
                 raise ConfigError(
                     f"inference.port {port} is in use on {self.config.inference.host}; "
                     f"pass --inference.port N with {len(ports) + len(teacher)} free ports from N"
@@ -252,6 +255,8 @@ class RunSession:
         bus, fork_server = None, None
         try:
             fork_server = None if self.attach else ForkServer(self.sup, self.config, self.child_env())
+            # pyplot for report.png (~0.4 s), while the fork server's preload leaves the other core idle
+            self.plotting = asyncio.ensure_future(asyncio.to_thread(pyplot))
             if self.attach:
                 if not self.config.redis.url:
                     raise ConfigError("--attach needs redis.url (the Redis of the run to watch)")
@@ -291,7 +296,11 @@ class RunSession:
         if self.stop.is_set():
             self.grace_s = 1.0  # a second Ctrl-C: stop now
         self.stopped_because = "signal"
+        self._request_stop()
+
+    def _request_stop(self) -> None:
         self.stop.set()
+        self.wake.set()
 
     async def _check_fresh(self, bus: Bus) -> None:
         if self.resume or self.attach or not self.config.redis.url:
@@ -333,7 +342,7 @@ class RunSession:
         tasks = [asyncio.create_task(self._follow_metrics(bus, writer, probe), name="metrics"),
                  asyncio.create_task(self._supervise(), name="supervisor")]
         if evaluator is not None:
-            tasks.append(asyncio.create_task(self._run_eval(evaluator), name="eval"))
+            tasks.append(asyncio.create_task(evaluator.run(on_finished=self.wake.set), name="eval"))
         self.background = tasks
         try:
             await self._loop(bus, probe, evaluator)
@@ -348,14 +357,13 @@ class RunSession:
             writer.close(report=self.output_dir / "report.png")
 
     async def _stop_workers(self) -> None:
-        """Stop the workers (redis, stop_order 2, stays up for the summary's counts); meanwhile import pyplot for
-        report.png (~0.4 s) and close the exporter's HTTP server (up to 0.5 s), which would otherwise follow."""
-        plotting = asyncio.ensure_future(asyncio.to_thread(pyplot))
+        """Stop the workers (redis, stop_order 2, stays up for the summary's counts); meanwhile close the exporter's
+        HTTP server (up to 0.5 s), which would otherwise follow."""
         stops = [asyncio.to_thread(self.exporter.stop_serving)] if self.exporter is not None else []
         if not self.attach:
             stops.append(asyncio.to_thread(self.sup.stop_all, self.grace_s, 1))
         await asyncio.gather(*stops)
-        await asyncio.gather(plotting, return_exceptions=True)  # a failed import fails write_report, which says so
+        await asyncio.gather(self.plotting, return_exceptions=True)  # a failed import fails write_report, which says so
 
     async def _loop(self, bus: Bus, probe, evaluator) -> None:
         max_steps = self.config.run.max_steps
@@ -399,9 +407,10 @@ class RunSession:
                         self.stopped_because = "max_steps"
                         break
                 try:
-                    await asyncio.wait_for(self.stop.wait(), timeout=0.5)
+                    await asyncio.wait_for(self.wake.wait(), timeout=0.5)
                 except TimeoutError:
                     pass
+                self.wake.clear()
         finally:
             if live is not None:
                 live.stop()
@@ -436,10 +445,6 @@ class RunSession:
                 return f"the run's {task.get_name()} task failed: {type(error).__name__}: {error}"
         return None
 
-    async def _run_eval(self, evaluator) -> None:
-        while True:
-            await evaluator.issue_due()
-            await evaluator.collect(block_ms=500)
 
     async def _settled_counts(self, bus: Bus, writer, probe) -> dict[str, int]:
         """The group counts of one consistent moment. With --attach the workers still run, and a group committed
@@ -488,13 +493,3 @@ def _http_ok(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-            return True
-        except OSError:
-            return False

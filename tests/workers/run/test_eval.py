@@ -116,3 +116,26 @@ async def test_a_restarted_coordinator_replays_its_pending_eval_groups_and_acks_
         await second.collect(block_ms=100)
         assert second.complete(0)
         assert (await b.redis.xpending(rollouts, "eval"))["pending"] == 0
+
+
+async def test_each_eval_is_issued_when_its_step_is_trained_and_issuing_ends_after_the_last(bus, redis_url, run_name):
+    async with bus("run") as b:
+        coordinator = EvalCoordinator(eval_config(redis_url, run_name, timeout_s=None), b, {"rev_eval": 50})
+        await coordinator.setup()
+        issuing = asyncio.ensure_future(coordinator.issue_on_time(block_ms=5000))  # woken by events, not the block
+
+        async def issued_steps(count: int) -> list[int]:
+            entries = await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10, block_ms=2000)
+            assert len(entries) == count
+            return sorted({e.message.eval_step for e in entries})
+
+        assert await issued_steps(3) == [0]
+        await publish_trained(b, 4)
+        assert await b.read_group([b.keys.tasks("rev_eval")], "rollout", count=10, block_ms=300) == []
+        await publish_trained(b, 5)
+        assert await issued_steps(3) == [5]
+        assert not issuing.done()
+        await publish_trained(b, 10)  # max_steps: the last eval
+        assert await issued_steps(3) == [10]
+        await asyncio.wait_for(issuing, timeout=2)
+        assert coordinator.next_due() is None
