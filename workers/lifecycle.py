@@ -112,20 +112,21 @@ async def connect_bus(config: RlbusConfig, worker: str) -> Bus:
     return bus
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory() -> None:
     """Have glibc's malloc reuse the memory of freed tensors instead of mapping fresh pages for each.
 
     By default a block over 128 KiB (later, the largest freed so far) is a fresh ``mmap`` and free top-of-heap memory
     goes back to the kernel past twice that, so a step that allocates and frees a few MB of activations page-faults
     (and zeroes) every page of them again: ~2,000 faults and ~10 % of a CPU trainer step on the default job. With
     blocks up to :data:`HEAP_BLOCK_MAX_BYTES` served from the heap and :data:`HEAP_KEEP_BYTES` kept, a process holds
-    at most its own peak. False where the C library has no ``mallopt`` (not glibc): nothing changes there.
+    at most its own peak. Where the C library has no ``mallopt`` (not glibc), nothing changes.
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (AttributeError, OSError):
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_MAX_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP_BYTES))
+        return
+    mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_MAX_BYTES)
+    mallopt(M_TRIM_THRESHOLD, HEAP_KEEP_BYTES)
 
 
 async def run_worker(worker: Worker) -> int:

@@ -66,7 +66,6 @@ def test_a_stopped_worker_exits_at_once_whatever_redis_block_ms(redis_url, run_n
         assert "filter_stopped" in worker.stderr.read()
 
 
-
 ALLOCATING_WORKER = """
 import asyncio, resource, sys
 import torch
