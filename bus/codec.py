@@ -127,7 +127,7 @@ def entry_version(cls: type[Message], fields: Mapping[Any, Any]) -> int:
 def decode_as(cls: type[Message], fields: Mapping[Any, Any]) -> Message:
     """Decode a stream entry as a ``cls`` message (its kind already checked); any problem raises DecodeError."""
     version = entry_version(cls, fields)
-    data = _get(fields, b"data")
+    data = entry_data(fields)
     if version < cls.TRIPLES_BEFORE:
         return _decode_triples(cls, version, data)
     return decode_data(cls, version, data)

@@ -445,7 +445,6 @@ class RunSession:
                 return f"the run's {task.get_name()} task failed: {type(error).__name__}: {error}"
         return None
 
-
     async def _settled_counts(self, bus: Bus, writer, probe) -> dict[str, int]:
         """The group counts of one consistent moment. With --attach the workers still run, and a group committed
         (its stream entry with its metrics row) between reading the metrics and counting the streams would be
