@@ -405,7 +405,7 @@ async def test_chaos_kills_stalls_garbage_and_a_redis_restart_and_the_books_stil
     group is accounted for, nothing is trained twice, the in-flight count is what the streams say, and only the
     malformed entries are dead letters."""
     out = tmp_path / "run"
-    steps = 40
+    steps = 120  # the faults take ~20-40 of them; without chaos a step takes ~0.2 s, so the margin is cheap
     flag = tmp_path / "hang"
     proc = start_run(out, tiny_model_dir, "--run.max_steps", str(steps), "--redis.claim_idle_ms", "2000",
                      "--ckpt.interval", "1", "--eval.env", "none", "--rollout.workers", "2",
