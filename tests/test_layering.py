@@ -27,7 +27,8 @@ PACKAGES = ("bus", "workers", "trainer")
 RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bus", ("bus",)),
     ("config", ("workers.config", "workers.config_loader", "workers.batch_config", "workers.env_config",
-                "workers.slurm_config", "workers.monitor_config", "workers.concurrency_config", "trainer.config")),
+                "workers.slurm_config", "workers.monitor_config", "workers.concurrency_config", "workers.model_config",
+                "trainer.config")),
     ("shared runtime", ("workers.lifecycle", "trainer.weights", "trainer.broadcast", "trainer.lora", "trainer.model",
                         "trainer.durable")),
     ("roles", ("workers", "trainer")),

@@ -15,7 +15,7 @@ ignored (the built-in engine has no prefix cache to salt); ``skip_special_tokens
 import uuid
 from typing import Any
 
-from workers.inference.engine import Generation
+from workers.inference.generation import Generation
 from workers.inference.openai_api import ApiError, sampling_params
 
 IGNORED = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "detokenize", "include_stop_str_in_output",

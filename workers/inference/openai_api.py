@@ -14,7 +14,7 @@ import uuid
 from functools import lru_cache
 from typing import Any
 
-from workers.inference.engine import Choice, Generation
+from workers.inference.generation import Choice, Generation
 from workers.inference.sampling import SamplingParams
 
 MAX_LOGPROBS = 20

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from workers.inference.engine import Choice
+from workers.inference.generation import Choice
 
 
 class TextDelta:

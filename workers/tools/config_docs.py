@@ -5,6 +5,7 @@ models and their docstrings, then the prime-rl and ART mappings of :mod:`workers
 """
 
 import json
+import re
 import types
 import typing
 from typing import Any
@@ -60,12 +61,14 @@ def missing_docstrings() -> list[str]:
     return [f"{m.__name__}.{name}" for _, m in sections() for name, f in m.model_fields.items() if not f.description]
 
 
+MODULE_PATH = re.compile(r"\b(?:[a-z_][a-z0-9_]*\.)+(?=[A-Za-z_])")
+"""A dotted module path before a name in a type's text (``typing.``, ``pathlib.``, ``workers.env_config.``)."""
+
+
 def _type(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation).replace("typing.", "")
-    for noise in ("workers.env_config.", "workers.batch_config.", "workers.config.", "trainer.config.",
-                  "bus.config.", "pathlib.", "Annotated[", ", FieldInfo(annotation=NoneType, required=True, "
-                  "discriminator='type')]"):
+    text = MODULE_PATH.sub("", text or str(annotation))  # workers.model_config.LoraConfig -> LoraConfig
+    for noise in ("Annotated[", ", FieldInfo(annotation=NoneType, required=True, discriminator='type')]"):
         text = text.replace(noise, "")
     return text
 

@@ -3,8 +3,8 @@ tests, where verifiers' train client calls it on the built-in server)."""
 
 import pytest
 
-from workers.inference.engine import Choice, Generation
 from workers.inference.generate_api import generate_request, generate_response
+from workers.inference.generation import Choice, Generation
 from workers.inference.openai_api import ApiError
 
 
